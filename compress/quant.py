@@ -1,0 +1,193 @@
+"""Shared quantization primitives: schemes, qparams, quantize/dequantize, pack/unpack.
+
+Conventions (every exporter and kernel relies on these):
+- A weight is ``w: [out, in]``; groups run along ``in``. ``group_size=-1`` is one group per row.
+  A ``group_size`` that does not divide ``in`` leaves a ragged last group of ``in % group_size``
+  columns; ``n_groups = ceil(in / group_size)``.
+- Codes ``q`` are unsigned integers in ``[0, 2**bits - 1]``; ``w ~= (q - zero) * scale``.
+  Symmetric schemes store no zeros: their zero is ``2**(bits-1)`` and their scale
+  ``absmax / (2**(bits-1) - 1)``, so every weight is within half a step.
+  Asymmetric schemes store integer zeros in ``[0, 2**bits - 1]``.
+- ``nf4`` uses the NormalFloat4 codebook: ``w ~= NF4[q] * scale`` with ``scale`` the group absmax.
+- Scales are float16 (what GPTQ/AWQ/ONNX Runtime consume), and codes are always computed from
+  the float16-rounded scale, so exporting never re-rounds anything.
+- Packing: ``32 // bits`` codes per int32 word along ``in`` (2->16, 3->10, 4->8, 8->4); code ``j``
+  of a word sits at bits ``[j*bits, (j+1)*bits)``, least significant first; ``in`` is padded
+  with zero codes up to a whole word. 3-bit words leave their top 2 bits zero.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+BITS = (2, 3, 4, 8)
+FORMATS = ("int", "nf4")
+# NormalFloat4 (Dettmers et al., 2023): quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
+NF4_CODEBOOK = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+MIN_SCALE = 1e-6
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one linear's weight is quantized."""
+
+    bits: int = 4
+    group_size: int = 128  # -1: per output channel
+    sym: bool = False
+    format: str = "int"
+
+    def __post_init__(self):
+        if self.bits not in BITS:
+            raise ValueError(f"bits={self.bits} is not supported; use one of {BITS}")
+        if self.group_size != -1 and self.group_size < 8:
+            raise ValueError(f"group_size={self.group_size} is out of range; use -1 (per channel) or >= 8")
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r} is unknown; use one of {FORMATS}")
+        if self.format == "nf4" and self.bits != 4:
+            raise ValueError(f"nf4 is a 4-bit format, got bits={self.bits}")
+
+    @property
+    def maxq(self) -> int:
+        return 2**self.bits - 1
+
+    @property
+    def sym_zero(self) -> int:
+        return 2 ** (self.bits - 1)
+
+    @property
+    def has_zeros(self) -> bool:
+        return self.format == "int" and not self.sym
+
+    def group(self, in_features: int) -> int:
+        """The effective group size for a row of ``in_features`` (per channel -> the whole row)."""
+        return in_features if self.group_size == -1 else self.group_size
+
+    def n_groups(self, in_features: int) -> int:
+        return math.ceil(in_features / self.group(in_features))
+
+    def to_dict(self) -> dict:
+        return {"bits": self.bits, "group_size": self.group_size, "sym": self.sym, "format": self.format}
+
+
+def nf4_codebook(device=None) -> Tensor:
+    return torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device)
+
+
+def find_params(w: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor | None]:
+    """Scale (fp16) and zero (int, or None) for each row of ``w: [rows, k]`` treated as one group."""
+    w = w.float()
+    if scheme.format == "nf4":
+        scale = w.abs().amax(dim=1)
+        return scale.clamp(min=MIN_SCALE).half(), None
+    if scheme.sym:
+        scale = w.abs().amax(dim=1) / (scheme.sym_zero - 1 if scheme.bits > 1 else 1)
+        return scale.clamp(min=MIN_SCALE).half(), None
+    lo = w.amin(dim=1).clamp(max=0)
+    hi = w.amax(dim=1).clamp(min=0)
+    scale = ((hi - lo) / scheme.maxq).clamp(min=MIN_SCALE).half()
+    zero = torch.round(-lo / scale.float()).clamp(0, scheme.maxq).to(torch.uint8)
+    return scale, zero
+
+
+def group_index(in_features: int, scheme: Scheme, device=None) -> Tensor:
+    """The group of each input column when columns are in natural order (ragged last group)."""
+    return torch.arange(in_features, device=device) // scheme.group(in_features)
+
+
+def compute_qparams(w: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor | None]:
+    """Group-wise qparams for ``w: [out, in]`` -> scale [out, G] fp16, zero [out, G] uint8 or None."""
+    out_f, in_f = w.shape
+    g, n = scheme.group(in_f), scheme.n_groups(in_f)
+    # w: [out, in] -> zero-padded [out * G, g]; padding zeros never widen a range that holds 0
+    padded = torch.nn.functional.pad(w.float(), (0, n * g - in_f)).reshape(out_f * n, g)
+    scale, zero = find_params(padded, scheme)
+    return scale.reshape(out_f, n), None if zero is None else zero.reshape(out_f, n)
+
+
+def _expand(t: Tensor, g_idx: Tensor) -> Tensor:
+    """Per-group [out, G] -> per-column [out, in]."""
+    return t.index_select(1, g_idx.to(t.device))
+
+
+def quantize(w: Tensor, scale: Tensor, zero: Tensor | None, scheme: Scheme, g_idx: Tensor | None = None) -> Tensor:
+    """Integer codes (uint8) of ``w: [out, in]`` for the given qparams; ``g_idx`` maps columns to groups."""
+    g_idx = group_index(w.shape[1], scheme, w.device) if g_idx is None else g_idx
+    s = _expand(scale, g_idx).float()
+    w = w.float()
+    if scheme.format == "nf4":
+        code = nf4_codebook(w.device)
+        x = (w / s).clamp(-1, 1)
+        # nearest codebook entry via midpoints (codebook is sorted)
+        mids = (code[1:] + code[:-1]) / 2
+        return torch.bucketize(x, mids).to(torch.uint8)
+    z = scheme.sym_zero if zero is None else _expand(zero, g_idx).float()
+    return torch.clamp(torch.round(w / s) + z, 0, scheme.maxq).to(torch.uint8)
+
+
+def dequantize(q: Tensor, scale: Tensor, zero: Tensor | None, scheme: Scheme, g_idx: Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> Tensor:
+    """``q: [out, in]`` codes back to real weights of ``dtype``."""
+    g_idx = group_index(q.shape[1], scheme, q.device) if g_idx is None else g_idx
+    s = _expand(scale, g_idx).float()
+    if scheme.format == "nf4":
+        return (nf4_codebook(q.device)[q.long()] * s).to(dtype)
+    z = scheme.sym_zero if zero is None else _expand(zero, g_idx).float()
+    return ((q.float() - z) * s).to(dtype)
+
+
+def fake_quantize(w: Tensor, scheme: Scheme) -> Tensor:
+    """RTN round trip of ``w`` with its own qparams (for searches and measurements)."""
+    scale, zero = compute_qparams(w, scheme)
+    return dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme, dtype=w.dtype)
+
+
+def per_word(bits: int) -> int:
+    return 32 // bits
+
+
+def pack(q: Tensor, bits: int) -> Tensor:
+    """Codes ``q: [rows, n]`` -> int32 ``[rows, ceil(n / (32 // bits))]``, least significant first."""
+    assert bits in BITS
+    rows, n = q.shape
+    k = per_word(bits)
+    words = math.ceil(n / k)
+    # q: [rows, n] -> [rows, words, k] (zero padded)
+    q = torch.nn.functional.pad(q.to(torch.int64), (0, words * k - n)).reshape(rows, words, k)
+    shifts = torch.arange(k, device=q.device, dtype=torch.int64) * bits
+    packed = (q << shifts).sum(dim=-1)  # disjoint bit ranges: sum == bitwise or
+    # reinterpret as signed int32 (two's complement) without overflow
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def unpack(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of :func:`pack`: int32 ``[rows, words]`` -> uint8 codes ``[rows, n]``."""
+    assert bits in BITS
+    k = per_word(bits)
+    shifts = torch.arange(k, device=packed.device, dtype=torch.int32) * bits
+    # [rows, words, 1] >> [k] -> [rows, words, k]; arithmetic shift is fine since we mask
+    q = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
+    return q.reshape(packed.shape[0], -1)[:, :n].to(torch.uint8)
+
+
+@dataclass
+class QuantizedWeight:
+    """The integers and parameters that stand for one linear's weight."""
+
+    q: Tensor  # uint8 [out, in]
+    scale: Tensor  # fp16 [out, G]
+    zero: Tensor | None  # uint8 [out, G] for asymmetric int schemes
+    scheme: Scheme
+    g_idx: Tensor | None = None  # int32 [in]: group of each column when not in natural order
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize(self.q, self.scale, self.zero, self.scheme, self.g_idx, dtype)
+
