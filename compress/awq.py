@@ -1,0 +1,86 @@
+"""AWQ (Lin et al., 2023): protect the weight channels that see large activations by scaling them up
+before rounding (and the feeding op down), then search a clipping range per group. Pure tensor
+functions; which op feeds which linears is data in compress/mappings.py, applied by compress/pipeline.py.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from compress.quant import Scheme, fake_quantize, group_index
+
+
+@dataclass
+class ScaleResult:
+    scales: Tensor  # [in] per input channel; multiply weight columns, divide the feeding op
+    ratio: float  # the chosen exponent on the activation magnitude
+    loss: float  # output MSE at the chosen ratio
+    base_loss: float  # output MSE of plain RTN (ratio 0)
+
+
+@torch.inference_mode()
+def search_scale(x_mean: Tensor, weights: list[Tensor], scheme: Scheme,
+                 forward: Callable[[list[Tensor]], Tensor], reference: Tensor, grid: int = 20) -> ScaleResult:
+    """Grid over ``s = x_mean ** ratio`` (ratio in [0, 1)), minimising the MSE of ``forward`` with
+    fake-quantized scaled weights against ``reference`` (the fp output)."""
+    x_mean = x_mean.float().clamp(min=1e-4)
+    best = None
+    base = None
+    for k in range(grid):
+        ratio = k / grid
+        s = x_mean.pow(ratio)
+        s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1
+        ws = [fake_quantize(w.float() * s, scheme) / s for w in weights]
+        loss = F.mse_loss(forward(ws).float(), reference.float()).item()
+        if k == 0:
+            base = loss
+        if best is None or loss < best[0]:
+            best = (loss, ratio, s)
+    loss, ratio, s = best
+    return ScaleResult(s, ratio, loss, base)
+
+
+def _grouped(t: Tensor, scheme: Scheme) -> Tensor:
+    """[rows, in] -> zero-padded [rows, G, g]."""
+    rows, n = t.shape
+    g, G = scheme.group(n), scheme.n_groups(n)
+    return F.pad(t, (0, G * g - n)).reshape(rows, G, g)
+
+
+@torch.inference_mode()
+def search_clip(x: Tensor, w: Tensor, scheme: Scheme, grid: int = 20, max_shrink: float = 0.5,
+                chunk: int = 256) -> Tensor:
+    """Per (output row, group) clipping bound ``[out, G]`` minimising each group's contribution to the
+    output error on sample inputs ``x: [n, in]``."""
+    w = w.float()
+    xg = _grouped(x.float(), scheme)  # [n, G, g]
+    wg = _grouped(w, scheme)  # [out, G, g]
+    full = wg.abs().amax(dim=-1)  # [out, G]
+    best_val = full.clone()
+    gi = group_index(w.shape[1], scheme, w.device)
+    for r0 in range(0, w.shape[0], chunk):  # rows in chunks bound the [n, rows, G] error tensor
+        rows = slice(r0, r0 + chunk)
+        ref = torch.einsum("ngk,ogk->nog", xg, wg[rows])
+        best_err = None
+        for k in range(int(grid * max_shrink) + 1):
+            bound = full[rows] * (1 - k / grid)  # [o, G]
+            b = bound.index_select(1, gi)  # [o, in]
+            wq = fake_quantize(torch.clamp(w[rows], -b, b), scheme)
+            err = (torch.einsum("ngk,ogk->nog", xg, _grouped(wq, scheme)) - ref).pow(2).mean(dim=0)  # [o, G]
+            if best_err is None:
+                best_err = err
+                continue
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_val[rows] = torch.where(better, bound, best_val[rows])
+    return best_val
+
+
+def clip_weight(w: Tensor, bound: Tensor, scheme: Scheme) -> Tensor:
+    """Clamp each (row, group) of ``w`` to ``[-bound, bound]``."""
+    b = bound.index_select(1, group_index(w.shape[1], scheme, w.device)).to(w.dtype)
+    return torch.clamp(w, -b, b)

@@ -1,0 +1,104 @@
+"""The one layer-by-layer driver: run calibration activations through a model one decoder block at a time.
+
+``run_sequential`` captures the inputs of the first block with a forward pre-hook (running only the
+embeddings and that one block), then for each block: the per-block algorithm observes and
+quantizes it, the driver runs the quantized block on the same inputs, and its outputs become the
+next block's inputs (the sequential scheme of GPTQ and AWQ). Only one block's activations are held
+at a time, so peak memory is the fp model plus two sets of hidden states.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BlockInputs:
+    """Inputs of one decoder block for every calibration batch: hidden states plus the model's kwargs."""
+
+    hidden: list[Tensor]
+    kwargs: list[dict] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(h.shape[0] * h.shape[1] for h in self.hidden)
+
+    @torch.inference_mode()
+    def forward(self, block: nn.Module) -> list[Tensor]:
+        """Run ``block`` on every batch; returns its output hidden states."""
+        outs = []
+        for h, kw in zip(self.hidden, self.kwargs):
+            out = block(h, **kw)
+            outs.append(out[0] if isinstance(out, tuple) else out)
+        return outs
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of decoder blocks: the ModuleList holding ``num_hidden_layers`` modules."""
+    n = model.config.num_hidden_layers
+    for _, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) == n:
+            return m
+    raise ValueError(f"could not find the {n} decoder layers of {type(model).__name__}")
+
+
+def _drop_cache_kwargs(kwargs: dict) -> dict:
+    return {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
+
+
+@torch.inference_mode()
+def capture_inputs(model: nn.Module, batches: list[Tensor]) -> BlockInputs:
+    """Hidden states and kwargs entering the first decoder block, for each batch of token ids."""
+    layers = decoder_layers(model)
+    first = layers[0]
+    captured = BlockInputs([], [])
+
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        captured.hidden.append(hidden.detach())
+        captured.kwargs.append(_drop_cache_kwargs(dict(kwargs)))
+
+    parent = next(m for m in model.modules() if any(c is layers for c in m.children()))
+    attr = next(k for k, c in parent.named_children() if c is layers)
+    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
+    setattr(parent, attr, nn.ModuleList([first]))  # run embeddings + one block, not the whole stack
+    try:
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model
+        for ids in batches:
+            base(input_ids=ids, use_cache=False)
+    finally:
+        setattr(parent, attr, layers)
+        handle.remove()
+    return captured
+
+
+def check_finite(hidden: list[Tensor], where: str) -> None:
+    for h in hidden:
+        if not torch.isfinite(h).all():
+            raise ValueError(f"non-finite activations (NaN/Inf) {where}; the model or calibration data is broken "
+                             "(try float32, or another --calib source)")
+
+
+PerBlock = Callable[[int, nn.Module, BlockInputs], None]
+
+
+def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
+                   progress: Callable[[int, int], None] | None = None) -> None:
+    """Call ``per_block(i, block, inputs)`` for each decoder block in order, feeding each block the
+    outputs of the already-processed (quantized) previous block."""
+    layers = decoder_layers(model)
+    inputs = capture_inputs(model, batches)
+    check_finite(inputs.hidden, "entering block 0")
+    for i, block in enumerate(layers):
+        per_block(i, block, inputs)
+        outputs = inputs.forward(block)
+        check_finite(outputs, f"after block {i}")
+        inputs = BlockInputs(outputs, inputs.kwargs)
+        if progress:
+            progress(i + 1, len(layers))

@@ -1,0 +1,243 @@
+"""Quantize a model in place: pick the linears, dispatch to the method, swap in packed QuantLinears."""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from compress import awq, gptq, nf4, rtn
+from compress.calibrate import BlockInputs, decoder_layers, run_sequential
+from compress.checkpoint import set_module
+from compress.config import QuantizeConfig
+from compress.mappings import KEEP_FP, BlockMap, block_map
+from compress.qlinear import QuantLinear
+from compress.quant import QuantizedWeight, Scheme
+
+log = logging.getLogger(__name__)
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class QuantizeReport:
+    method: str
+    seconds: float = 0.0
+    layers: list[dict] = field(default_factory=list)  # one entry per quantized linear or AWQ smoothing
+
+
+def target_linears(block: nn.Module, ignore: tuple[str, ...], prefix: str = "") -> dict[str, nn.Linear]:
+    """The block's ``nn.Linear`` layers to quantize (relative names), minus routers and ``ignore``."""
+    pats = [re.compile(p) for p in (*KEEP_FP, *ignore)]
+    return {n: m for n, m in block.named_modules()
+            if isinstance(m, nn.Linear) and not any(p.search(f"{prefix}{n}") for p in pats)}
+
+
+def _swap(block: nn.Module, name: str, lin: nn.Linear, qw: QuantizedWeight) -> None:
+    set_module(block, name, QuantLinear.from_quantized(qw, lin.bias, dtype=lin.weight.dtype))
+
+
+def _data_free(scheme: Scheme) -> Callable[[Tensor], QuantizedWeight]:
+    if scheme.format == "nf4":
+        return lambda w: nf4.quantize_weight(w, scheme.group_size)
+    return lambda w: rtn.quantize_weight(w, scheme)
+
+
+def quantize_data_free(model: nn.Module, cfg: QuantizeConfig, report: QuantizeReport,
+                       progress: Progress | None = None) -> None:
+    layers = decoder_layers(model)
+    fn = _data_free(cfg.scheme)
+    for i, block in enumerate(layers):
+        for name, lin in target_linears(block, cfg.ignore).items():
+            _swap(block, name, lin, fn(lin.weight.data))
+        if progress:
+            progress(i + 1, len(layers))
+
+
+def _gptq_block(cfg: QuantizeConfig, report: QuantizeReport):
+    def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
+        linears = target_linears(block, cfg.ignore)
+        hessians = {n: gptq.Hessian.zeros(m.in_features) for n, m in linears.items()}
+        owner: dict[str, str] = {}  # linears fed the very same tensor (q/k/v) share one Hessian
+        first_batch: dict[int, tuple[str, Tensor]] = {}  # holds the tensors so addresses stay unique
+
+        def hook(name):
+            def fn(module, args):
+                x = args[0]
+                if name not in owner:
+                    rep = first_batch.get(x.data_ptr())
+                    owner[name] = rep[0] if rep is not None and rep[1] is x else name
+                    first_batch.setdefault(x.data_ptr(), (name, x))
+                if owner[name] == name:
+                    hessians[name].add(x)
+            return fn
+
+        handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+        try:
+            inputs.forward(block)
+        finally:
+            for h in handles:
+                h.remove()
+        first_batch.clear()
+        for name, lin in linears.items():
+            res = gptq.quantize_weight(lin.weight.data, hessians[owner[name]].H, cfg.scheme, cfg.damp, cfg.block_size,
+                                       cfg.act_order, cfg.static_groups)
+            report.layers.append({"layer": i, "name": name, "loss": res.loss})
+            _swap(block, name, lin, res.weight)
+    return per_block
+
+
+class _Sampler:
+    """Collects, per linear, the mean |x| over all tokens and a fixed random sample of token rows."""
+
+    def __init__(self, inputs: BlockInputs, n_tokens: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        per_batch = max(1, n_tokens // len(inputs.hidden))
+        self.rows = [torch.randperm(h.shape[0] * h.shape[1], generator=gen)[:per_batch] for h in inputs.hidden]
+        self.abs_sum: dict[str, Tensor] = {}
+        self.count: dict[str, int] = {}
+        self.samples: dict[str, list[Tensor]] = {}
+
+    def hook(self, name: str):
+        def fn(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            calls = self.samples.setdefault(name, [])
+            self.abs_sum[name] = self.abs_sum.get(name, 0) + x.abs().sum(0)
+            self.count[name] = self.count.get(name, 0) + x.shape[0]
+            calls.append(x[self.rows[len(calls)]])
+        return fn
+
+    def x_mean(self, name: str) -> Tensor:
+        return self.abs_sum[name] / self.count[name]
+
+    def x(self, name: str) -> Tensor:
+        return torch.cat(self.samples[name])
+
+
+def _scale_prev(prev: nn.Module, s: Tensor, norm_offset: float) -> None:
+    if isinstance(prev, nn.Linear):  # a linear feeding the group: divide its output rows
+        prev.weight.data.div_(s[:, None].to(prev.weight.dtype))
+        if prev.bias is not None:
+            prev.bias.data.div_(s.to(prev.bias.dtype))
+    else:  # a norm: (offset + w) / s
+        w = prev.weight.data
+        w.copy_(((norm_offset + w.float()) / s - norm_offset).to(w.dtype))
+
+
+def _awq_block(cfg: QuantizeConfig, bmap: BlockMap, report: QuantizeReport):
+    from torch.func import functional_call
+
+    def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
+        linears = target_linears(block, cfg.ignore)
+        sampler = _Sampler(inputs, cfg.search_tokens, cfg.seed + i)
+        handles = [m.register_forward_pre_hook(sampler.hook(n)) for n, m in linears.items()]
+        try:
+            inputs.forward(block)
+        finally:
+            for h in handles:
+                h.remove()
+        scheme = cfg.scheme
+        for sm in bmap.smooths:
+            if not all(n in linears for n in sm.linears):
+                continue
+            prev = block.get_submodule(sm.prev)
+            mods = [linears[n] for n in sm.linears]
+            width = prev.weight.shape[0]
+            if any(m.in_features != width for m in mods):  # e.g. v_proj -> o_proj under GQA
+                continue
+            x = sampler.x(sm.linears[0])
+            if sm.inspect is None:
+                def forward(ws, x=x):
+                    return torch.cat([x @ w.T for w in ws], dim=-1)
+            else:
+                inspect = block.get_submodule(sm.inspect)
+                names = [f"{n[len(sm.inspect) + 1:]}.weight" for n in sm.linears]
+
+                def forward(ws, x=x, inspect=inspect, names=names):
+                    return functional_call(inspect, dict(zip(names, ws)), (x[None],))[0]
+            with torch.inference_mode():
+                ref = forward([m.weight.data.float() for m in mods])
+            res = awq.search_scale(sampler.x_mean(sm.linears[0]), [m.weight.data for m in mods], scheme, forward,
+                                   ref, cfg.grid)
+            s = res.scales
+            _scale_prev(prev, s, bmap.norm_offset)
+            for n, m in zip(sm.linears, mods):
+                m.weight.data.mul_(s.to(m.weight.dtype))
+                sampler.samples[n] = [torch.cat(sampler.samples[n]) / s]
+            report.layers.append({"layer": i, "smooth": sm.prev, "ratio": res.ratio, "loss": res.loss,
+                                  "rtn_loss": res.base_loss})
+        for name, lin in linears.items():
+            w = lin.weight.data
+            if cfg.clip and name not in bmap.no_clip:
+                bound = awq.search_clip(sampler.x(name)[:512], w, scheme, cfg.grid)
+                w = awq.clip_weight(w, bound, scheme)
+            _swap(block, name, lin, rtn.quantize_weight(w, scheme))
+    return per_block
+
+
+def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] | None = None,
+                   progress: Progress | None = None) -> QuantizeReport:
+    """Quantize ``model`` in place with ``cfg``; ``batches`` of token ids are needed by gptq/awq."""
+    report = QuantizeReport(cfg.method)
+    t0 = time.perf_counter()
+    if not cfg.needs_calibration:
+        quantize_data_free(model, cfg, report, progress)
+    else:
+        if not batches:
+            raise ValueError(f"method {cfg.method} needs calibration data; give --calib")
+        if cfg.method == "gptq":
+            per_block = _gptq_block(cfg, report)
+        else:
+            per_block = _awq_block(cfg, block_map(model.config.model_type), report)
+        run_sequential(model, batches, per_block, progress)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+@dataclass
+class QuantizeSummary:
+    out: str
+    report: QuantizeReport
+    fp_bytes: int  # the fp model's parameters in memory
+    out_bytes: int  # the written weight file
+    seconds: float
+    peak_rss_bytes: int
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite: bool = False,
+                       recipe: str | None = None, progress: Progress | None = None,
+                       trust_remote_code: bool = False, allow_pickle: bool = False) -> QuantizeSummary:
+    """Load ``model_spec``, calibrate if the method needs it, quantize, and write ``out`` atomically."""
+    from pathlib import Path
+
+    from compress.checkpoint import build_quantization_config, save_quantized
+    from compress.data import calibration_batches
+    from compress.models import load_model
+
+    if Path(out).exists() and not overwrite:  # fail before any heavy work
+        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+    t0 = time.perf_counter()
+    model, tokenizer, src = load_model(model_spec, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    fp_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    batches = None
+    if cfg.needs_calibration:
+        ids = calibration_batches(tokenizer, cfg.calib, cfg.nsamples, cfg.seqlen, cfg.seed)
+        batches = list(ids.split(cfg.batch_size))
+    report = quantize_model(model, cfg, batches, progress)
+    calibration = ({"source": cfg.calib, "nsamples": cfg.nsamples, "seqlen": cfg.seqlen, "seed": cfg.seed}
+                   if cfg.needs_calibration else {})
+    qc = build_quantization_config(model, cfg.method, cfg.scheme, cfg.act_order and not cfg.static_groups,
+                                   calibration, extra={"recipe": recipe, "source_model": src.name,
+                                                       "config": cfg.to_dict()})
+    save_quantized(model, tokenizer, out, qc, overwrite=overwrite)
+    out_bytes = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
+    return QuantizeSummary(str(out), report, fp_bytes, out_bytes, time.perf_counter() - t0, _peak_rss())
