@@ -1,0 +1,130 @@
+"""Triton paged attention (prefill and flash-decoding) against a plain torch reference.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it before Triton loads).
+The reference below gathers each sequence's keys through its block table and applies a causal
+softmax the textbook way; the cache holds random values everywhere, so a kernel reading a wrong
+block, slot or head gets a wrong answer.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HEADS = [(4, 4), (4, 2), (8, 2), (4, 1)]  # (query heads, KV heads): GQA ratios 1, 2, 4 and MQA
+
+
+@pytest.fixture(scope="module")
+def ta():
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail("Triton kernels need TRITON_INTERPRET=1 without CUDA; tests/conftest.py sets it before Triton loads")
+    import runtime.kernels.triton_attention as ta
+    return ta
+
+
+def ref_attention(q, k_cache, v_cache, block_table, seq_len, scale):
+    """q: [n, Hq, D], the last n of seq_len positions -> [n, Hq, D] (fp32 math)."""
+    n, hq, _ = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    pos = torch.arange(seq_len, device=q.device)
+    blocks = block_table[pos // block_size].long()
+    k = k_cache[blocks, pos % block_size].float()  # [seq_len, Hkv, D]
+    v = v_cache[blocks, pos % block_size].float()
+    k = k.repeat_interleave(hq // hkv, dim=1)  # query head h reads KV head h // group
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+    s = s.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+def paged_setup(seq_lens, block_size, hkv, d, dtype, gen):
+    """A random pool with spare blocks and a shuffled block table per sequence."""
+    need = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(need) + 3
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[used:used + n]
+        used += n
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), table.to(DEVICE)
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("ctx_new,block_size", [
+    ([(0, 5), (7, 9), (16, 1), (3, 21)], 4),  # prefix-cached contexts, lengths ending mid-block
+    ([(0, 37), (20, 13)], 16),  # query tiles and key tiles that straddle blocks
+    ([(0, 1)], 16),  # a single token
+])
+def test_prefill_matches_reference(ta, hq, hkv, ctx_new, block_size):
+    gen = torch.Generator().manual_seed(hq * 10 + hkv + block_size)
+    d = 16
+    seq_lens = [c + n for c, n in ctx_new]
+    k_cache, v_cache, table = paged_setup(seq_lens, block_size, hkv, d, torch.float32, gen)
+    q_lens = [n for _, n in ctx_new]
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(DEVICE)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = d ** -0.5
+    out = ta.triton_prefill_attention(q, k_cache, v_cache, table, cu, sl, scale)
+    for b, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ref = ref_attention(q[start:end], k_cache, v_cache, table[b], seq_lens[b], scale)
+        torch.testing.assert_close(out[start:end], ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("partition_size", [32, 256])  # several partitions per sequence, and one
+def test_decode_matches_reference(ta, hq, hkv, partition_size):
+    gen = torch.Generator().manual_seed(hq * 7 + hkv + partition_size)
+    d, block_size = 16, 8
+    seq_lens = [1, 5, 33, 70, 64]
+    k_cache, v_cache, table = paged_setup(seq_lens, block_size, hkv, d, torch.float32, gen)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = ta.triton_decode_attention(q, k_cache, v_cache, table, sl, 0.3, partition_size=partition_size)
+    for b, n in enumerate(seq_lens):
+        ref = ref_attention(q[b:b + 1], k_cache, v_cache, table[b], n, 0.3)
+        torch.testing.assert_close(out[b:b + 1], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_equals_prefill_of_one_token(ta):
+    """Decoding is the one-new-token case of prefill with a cached context: both kernels must agree."""
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = [9, 40, 17]
+    k_cache, v_cache, table = paged_setup(seq_lens, 4, 2, 16, torch.float32, gen)
+    q = torch.randn(3, 4, 16, generator=gen).to(DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    cu = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    dec = ta.triton_decode_attention(q, k_cache, v_cache, table, sl, partition_size=32)
+    pre = ta.triton_prefill_attention(q, k_cache, v_cache, table, cu, sl)
+    torch.testing.assert_close(dec, pre, rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_and_non_power_of_two_head_dim(ta):
+    gen = torch.Generator().manual_seed(5)
+    d, seq_lens, q_lens = 24, [13, 30], [13, 6]
+    k_cache, v_cache, table = paged_setup(seq_lens, 8, 2, d, torch.float16, gen)
+    q = torch.randn(sum(q_lens), 4, d, generator=gen).half().to(DEVICE)
+    cu = torch.tensor([0, 13, 19], dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = ta.triton_prefill_attention(q, k_cache, v_cache, table, cu, sl)
+    assert out.dtype == torch.float16
+    for b in range(2):
+        ref = ref_attention(q[cu[b]:cu[b + 1]], k_cache, v_cache, table[b], seq_lens[b], d ** -0.5)
+        torch.testing.assert_close(out[cu[b]:cu[b + 1]].float(), ref, rtol=2e-2, atol=2e-2)
+    qd = q[[12, 18]]
+    dec = ta.triton_decode_attention(qd, k_cache, v_cache, table, sl, partition_size=32)
+    for b in range(2):
+        ref = ref_attention(qd[b:b + 1], k_cache, v_cache, table[b], seq_lens[b], d ** -0.5)
+        torch.testing.assert_close(dec[b:b + 1].float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_rejects_heads_not_multiple_of_kv_heads(ta):
+    k = torch.zeros(2, 4, 3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        ta.triton_decode_attention(torch.zeros(1, 4, 8, device=DEVICE), k, k, torch.zeros(1, 1, dtype=torch.int32,
+                                   device=DEVICE), torch.ones(1, dtype=torch.int32, device=DEVICE))
