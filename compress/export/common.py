@@ -1,0 +1,134 @@
+"""What every exporter shares: the loaded source, its fp tensors, its config and its side files."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from compress.checkpoint import quantized_modules
+from compress.qlinear import QuantLinear
+
+log = logging.getLogger(__name__)
+
+# Decoder families whose graph the ONNX exporters trace (standard per-layer key/value cache):
+# model knowledge as data, keyed by config.model_type.
+ONNX_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class Source:
+    """A model to export: the torch module (QuantLinear layers when quantized), its tokenizer and path."""
+
+    model: nn.Module
+    tokenizer: object | None
+    path: Path | None
+
+    @property
+    def qmodules(self) -> dict[str, QuantLinear]:
+        return quantized_modules(self.model)
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.qmodules)
+
+    @property
+    def model_type(self) -> str:
+        return self.model.config.model_type
+
+
+def load_source(spec: str) -> Source:
+    """Load a compress quantized folder, a plain HF folder or an embedded model name, in float32."""
+    from compress.models import load_model
+
+    model, tokenizer, src = load_model(spec, dtype=torch.float32)
+    return Source(model.eval(), tokenizer, src.path)
+
+
+def check_onnx_architecture(model_type: str, fmt: str) -> None:
+    if model_type not in ONNX_ARCHITECTURES:
+        raise ValueError(f"--format {fmt} does not handle model_type {model_type!r}; "
+                         f"supported: {', '.join(ONNX_ARCHITECTURES)}")
+
+
+def tied_lm_head(model: nn.Module) -> bool:
+    """True when lm_head shares the embedding matrix (and is not itself quantized)."""
+    head = model.get_output_embeddings()
+    emb = model.get_input_embeddings()
+    return (head is not None and not isinstance(head, QuantLinear) and emb is not None
+            and head.weight is emb.weight)
+
+
+def fp_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Every tensor of the state dict that is not a QuantLinear's integers/scales, floats cast to ``dtype``.
+
+    QuantLinear biases are kept (``P.bias``); a tied lm_head is left out, as save_pretrained does.
+    """
+    qnames = set(quantized_modules(model))
+    skip_head = tied_lm_head(model)
+    head_name = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
+    out = {}
+    for key, t in model.state_dict().items():
+        owner, _, leaf = key.rpartition(".")
+        if owner in qnames and leaf != "bias":
+            continue
+        if skip_head and owner == head_name:
+            continue
+        t = t.detach()
+        out[key] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
+    return out
+
+
+def export_config(model: nn.Module, dtype: torch.dtype, quantization_config: dict | None) -> dict:
+    """The model's config.json with the target dtype and the target format's quantization_config."""
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")
+    if not tied_lm_head(model) and getattr(model.config, "tie_word_embeddings", False):
+        cfg["tie_word_embeddings"] = False  # lm_head is stored on its own (quantized or untied)
+    if quantization_config is not None:
+        cfg["quantization_config"] = quantization_config
+    return cfg
+
+
+def write_side_files(folder: Path, source: Source, config: dict) -> None:
+    """config.json, generation_config.json and the tokenizer beside the weights."""
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    gen = getattr(source.model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(folder)
+    if source.tokenizer is not None:
+        source.tokenizer.save_pretrained(folder)
+
+
+def save_safetensors(tensors: dict[str, Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def group_map(m: QuantLinear) -> Tensor:
+    """The group of each input column: the stored act-order ``g_idx`` or natural order (ragged last)."""
+    if m.g_idx is not None:
+        return m.g_idx.long()
+    return torch.arange(m.in_features) // m.scheme.group(m.in_features)
+
+
+def zeros_of(m: QuantLinear) -> Tensor:
+    """Integer zero points [out, G] (symmetric schemes: the implicit ``2**(bits-1)``)."""
+    if m.qzeros is not None:
+        return m.qzeros.to(torch.int64)
+    return torch.full(m.scales.shape, m.scheme.sym_zero, dtype=torch.int64)
+
+
+def is_ragged(m: QuantLinear) -> bool:
+    return m.in_features % m.scheme.group(m.in_features) != 0
+
+
+def fp_linear_names(model: nn.Module) -> list[str]:
+    """nn.Linear layers that stay in floating point."""
+    return sorted(n for n, mod in model.named_modules() if isinstance(mod, nn.Linear))
