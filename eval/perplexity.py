@@ -1,0 +1,66 @@
+"""Perplexity with one fixed protocol, so numbers are comparable across models and runs.
+
+Protocol: join the texts with "\\n\\n", tokenize once, cut non-overlapping windows of ``seqlen`` tokens
+(the last partial window is dropped; ``max_windows`` keeps only the first windows), score every window
+independently, and average the next-token NLL over all predicted tokens (``seqlen - 1`` per window);
+ppl = exp(mean NLL).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from compress.data import tokenize
+
+LOSS_CHUNK = 128  # positions per cross-entropy call: bounds the fp32 log-softmax temporaries
+
+
+@dataclass(frozen=True)
+class PplResult:
+    """Perplexity, the mean NLL it comes from, and how many tokens/windows were scored."""
+
+    ppl: float
+    nll: float
+    tokens: int
+    windows: int
+
+
+def window_nll_sum(logits: Tensor, ids: Tensor, chunk: int = LOSS_CHUNK) -> Tensor:
+    """Summed next-token NLL of ``ids: [b, t]`` under ``logits: [b, t, vocab]``, computed in position chunks."""
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    t = ids.shape[1]
+    for s in range(0, t - 1, chunk):
+        e = min(s + chunk, t - 1)
+        # logits at positions s..e-1 predict tokens s+1..e
+        part = logits[:, s:e].float().reshape(-1, logits.shape[-1])
+        total += nn.functional.cross_entropy(part, ids[:, s + 1:e + 1].reshape(-1), reduction="sum").double()
+    return total
+
+
+def perplexity(model: nn.Module, tokenizer, texts: list[str], seqlen: int = 512, max_windows: int | None = None,
+               batch_size: int = 8) -> PplResult:
+    """Perplexity of a causal LM (any module whose forward returns ``.logits``) on ``texts``."""
+    if seqlen < 2 or batch_size < 1 or (max_windows is not None and max_windows < 1):
+        raise ValueError(f"seqlen={seqlen} must be >= 2, batch_size={batch_size} and max_windows={max_windows} >= 1")
+    ids = tokenize(tokenizer, "\n\n".join(texts))
+    n_windows = ids.numel() // seqlen
+    if max_windows is not None:
+        n_windows = min(n_windows, max_windows)
+    if n_windows == 0:
+        raise ValueError(f"the text has {ids.numel()} tokens, fewer than one window of seqlen={seqlen}: "
+                         "use more text or a smaller --seqlen")
+    windows = ids[:n_windows * seqlen].view(n_windows, seqlen)  # [n_windows, seqlen]
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    nll = torch.zeros((), dtype=torch.float64)
+    with torch.inference_mode():
+        for b in range(0, n_windows, batch_size):
+            batch = windows[b:b + batch_size].to(device)
+            logits = model(input_ids=batch).logits  # [b, seqlen, vocab]
+            nll += window_nll_sum(logits, batch).cpu()
+            del logits
+    tokens = n_windows * (seqlen - 1)
+    mean = nll.item() / tokens
+    return PplResult(ppl=math.exp(mean), nll=mean, tokens=tokens, windows=n_windows)

@@ -1,0 +1,132 @@
+"""Baseline vs compressed: perplexity, task accuracy and size of each model, side by side."""
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+SIZE_ON_DISK = "weight files on disk"
+SIZE_GGUF = "fp32 parameters of the dequantized GGUF"
+
+
+def model_size(src, model: nn.Module) -> tuple[int, str]:
+    """Bytes of a model and what they measure: its weight files, or for a GGUF its fp32 parameters."""
+    if src.gguf_file:
+        return sum(p.numel() * 4 for p in model.parameters()), SIZE_GGUF
+    for suffix in WEIGHT_SUFFIXES:  # safetensors first: a folder may also carry a pickled copy
+        files = [f for f in src.path.glob(f"*{suffix}") if f.is_file()]
+        if files:
+            return sum(f.stat().st_size for f in files), SIZE_ON_DISK
+    return 0, SIZE_ON_DISK
+
+
+def _average(accuracy: dict[str, dict[str, float]]) -> float | None:
+    from eval.tasks import PRIMARY
+
+    values = [m[PRIMARY[t]] for t, m in accuracy.items() if PRIMARY[t] in m]
+    return sum(values) / len(values) if values else None
+
+
+def evaluate_model(spec: str, texts: dict[str, list[str]], tasks: list[str], limit: int | None, seqlen: int,
+                   max_windows: int | None, batch_size: int = 8) -> dict:
+    """Load one model and measure its size, perplexity on each text and accuracy on each task."""
+    from compress.checkpoint import quantized_modules
+    from compress.models import load_model
+    from eval.perplexity import perplexity
+    from eval.tasks import run_tasks
+
+    start = time.perf_counter()
+    model, tokenizer, src = load_model(spec)
+    for m in quantized_modules(model).values():
+        m.cache_weight()  # dequantize once instead of on every forward
+    size, label = model_size(src, model)
+    ppl_detail = {}
+    for name, t in texts.items():
+        ppl_detail[name] = asdict(perplexity(model, tokenizer, t, seqlen=seqlen, max_windows=max_windows,
+                                             batch_size=batch_size))
+        log.info("%s: ppl %s = %.3f", spec, name, ppl_detail[name]["ppl"])
+    accuracy = run_tasks(model, tokenizer, tasks, limit=limit, batch_size=batch_size) if tasks else {}
+    del model
+    gc.collect()
+    return {"model": spec, "size_bytes": size, "size_label": label,
+            "ppl": {k: v["ppl"] for k, v in ppl_detail.items()}, "ppl_detail": ppl_detail,
+            "accuracy": accuracy, "accuracy_avg": _average(accuracy), "seconds": time.perf_counter() - start}
+
+
+def _delta(base: dict, comp: dict) -> dict:
+    acc = {t: {k: comp["accuracy"][t][k] - v for k, v in m.items() if k != "samples"}
+           for t, m in base["accuracy"].items()}
+    avg = None if base["accuracy_avg"] is None else comp["accuracy_avg"] - base["accuracy_avg"]
+    return {"size_bytes": comp["size_bytes"] - base["size_bytes"], "size_ratio": comp["size_bytes"] / base["size_bytes"],
+            "ppl": {k: comp["ppl"][k] - v for k, v in base["ppl"].items()}, "accuracy": acc, "accuracy_avg": avg}
+
+
+def evaluate(model_spec: str, baseline_spec: str | None = None, ppl_sources: list[str] | tuple[str, ...] = ("wiki",),
+             tasks: list[str] | tuple[str, ...] = (), limit: int | None = None, seqlen: int = 512,
+             max_windows: int | None = None, batch_size: int = 8) -> dict:
+    """{"baseline", "compressed", "delta"}: each model's size, ppl per text (eval split) and accuracy per task."""
+    from compress.data import load_texts
+    from eval.tasks import check_tasks
+
+    check_tasks(list(tasks))
+    texts = {s: load_texts(s, "eval") for s in ppl_sources}  # fail on a bad source before loading any model
+    args = (texts, list(tasks), limit, seqlen, max_windows, batch_size)
+    baseline = evaluate_model(baseline_spec, *args) if baseline_spec else None  # freed before the next load
+    compressed = evaluate_model(model_spec, *args)
+    return {"baseline": baseline, "compressed": compressed,
+            "delta": _delta(baseline, compressed) if baseline else None,
+            "settings": {"seqlen": seqlen, "max_windows": max_windows, "limit": limit, "split": "eval"}}
+
+
+def _fmt(value: float | None, kind: str, delta: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    sign = "+" if delta else ""
+    if kind == "size":
+        return f"{value / 2**20:{sign}.1f} MB"
+    if kind == "acc":
+        return f"{100 * value:{sign}.1f}"
+    return f"{value:{sign}.2f}"
+
+
+def format_table(result: dict) -> str:
+    """One side-by-side table: size, ppl per text, accuracy per task and average accuracy."""
+    from eval.tasks import PRIMARY
+
+    cols = [k for k in ("baseline", "compressed") if result.get(k)]
+    delta = result.get("delta")
+    comp = result["compressed"]
+    rows = [["", *cols, *(["delta"] if delta else [])], ["model", *(result[c]["model"] for c in cols), *([""] if delta else [])]]
+    marks = {c: "*" if result[c]["size_label"] == SIZE_GGUF else "" for c in cols}
+    rows.append(["size", *(_fmt(result[c]["size_bytes"], "size") + marks[c] for c in cols),
+                 *([f"x{delta['size_ratio']:.3f}"] if delta else [])])
+    for name in comp["ppl"]:
+        rows.append([f"ppl {Path(name).name if name.endswith(('.txt', '.jsonl')) else name}", *(_fmt(result[c]["ppl"][name], "ppl") for c in cols),
+                     *([_fmt(delta["ppl"][name], "ppl", True)] if delta else [])])
+    for task, metrics in comp["accuracy"].items():
+        for metric in sorted(metrics, key=lambda k: k != PRIMARY[task]):
+            if metric == "samples":
+                continue
+            kind = "ppl" if metric == "perplexity" else "acc"
+            rows.append([f"{task} {metric}", *(_fmt(result[c]["accuracy"][task][metric], kind) for c in cols),
+                         *([_fmt(delta["accuracy"][task][metric], kind, True)] if delta else [])])
+    if comp["accuracy"]:
+        rows.append(["avg accuracy", *(_fmt(result[c]["accuracy_avg"], "acc") for c in cols),
+                     *([_fmt(delta["accuracy_avg"], "acc", True)] if delta else [])])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    notes = [f"size: {SIZE_ON_DISK}"] + ([f"* {SIZE_GGUF}"] if any(marks.values()) else [])
+    notes.append(f"ppl: eval split, windows of {result['settings']['seqlen']} tokens; accuracy in %")
+    if comp["accuracy"] and result["settings"]["limit"]:
+        notes.append(f"tasks: first {result['settings']['limit']} documents each")
+    return "\n".join(lines + [""] + notes)
