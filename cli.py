@@ -95,6 +95,36 @@ def recipes():
 
 
 # --- eval ---------------------------------------------------------------------------------------
+def _csv(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+@main.command("eval")
+@click.argument("model_spec", metavar="MODEL")
+@click.option("--baseline", default=None, help="Model to compare against (name, HF folder or .gguf).")
+@click.option("--ppl", default="wiki", show_default=True, help="Comma-separated texts: wiki, lambada, PATH.txt, ...")
+@click.option("--tasks", default="", help="Comma-separated lm-eval tasks, e.g. hellaswag,piqa,arc_easy,winogrande.")
+@click.option("--limit", type=int, default=None, help="Score only the first N documents of each task.")
+@click.option("--seqlen", type=int, default=512, show_default=True, help="Tokens per perplexity window.")
+@click.option("--max-windows", type=int, default=None, help="Score only the first N perplexity windows.")
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
+def eval_cmd(model_spec, baseline, ppl, tasks, limit, seqlen, max_windows, batch_size, json_path):
+    """Perplexity, task accuracy and size of MODEL, side by side with --baseline."""
+    import json
+    from pathlib import Path
+
+    from eval.report import evaluate, format_table
+
+    if not logging.getLogger().isEnabledFor(logging.INFO):
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)  # lm-eval warns about our custom datasets per task
+    result = evaluate(model_spec, baseline_spec=baseline, ppl_sources=_csv(ppl), tasks=_csv(tasks), limit=limit,
+                      seqlen=seqlen, max_windows=max_windows, batch_size=batch_size)
+    click.echo(format_table(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+        click.echo(f"wrote {json_path}")
+
 
 # --- export -------------------------------------------------------------------------------------
 
