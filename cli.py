@@ -129,6 +129,61 @@ def eval_cmd(model_spec, baseline, ppl, tasks, limit, seqlen, max_windows, batch
 # --- export -------------------------------------------------------------------------------------
 
 # --- serve / bench ------------------------------------------------------------------------------
+@main.command()
+@click.argument("model_spec", metavar="MODEL")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; loopback unless you mean it.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--draft", default=None, help="Speculative decoding: 'ngram' or a draft model (name or folder).")
+@click.option("--api-key", default=None, envvar="COMPRESS_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 "
+              "(or set COMPRESS_API_KEY).")
+@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Requests decoded together.")
+@click.option("--max-queue", type=int, default=256, show_default=True, help="Requests waiting beyond the batch before 429.")
+@click.option("--max-model-len", type=int, default=None, help="Context limit (default: the model's).")
+@click.option("--dtype", default="float32", show_default=True, help="Compute dtype of the engine.")
+def serve(model_spec, host, port, draft, api_key, max_num_seqs, max_queue, max_model_len, dtype):
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
+    from runtime.server import serve as run_server
+
+    run_server(model_spec, host=host, port=port, draft=draft, api_key=api_key, max_num_seqs=max_num_seqs,
+               max_queue=max_queue, max_model_len=max_model_len, dtype=dtype)
+
+
+def _levels(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--concurrency {value!r} must be comma-separated integers, e.g. 1,8,32") from None
+
+
+@main.command()
+@click.argument("model_spec", metavar="MODEL")
+@click.option("--baseline", default=None, help="fp model for the transformers and engine-fp32 rows (default: MODEL).")
+@click.option("--prompt-len", type=int, default=128, show_default=True, help="Longest prompt, in tokens.")
+@click.option("--output-len", type=int, default=128, show_default=True, help="Longest output, in tokens.")
+@click.option("--concurrency", default="1,8,32", show_default=True, help="Comma-separated levels of concurrent requests.")
+@click.option("--requests", "requests_per_level", type=int, default=None, help="Requests per run (default max(4, 2 x level)).")
+@click.option("--jitter", type=float, default=0.5, show_default=True, help="Lengths drawn from [len * (1 - jitter), len].")
+@click.option("--repeats", type=int, default=1, show_default=True, help="Runs per row; rows report the median run.")
+@click.option("--no-hf", is_flag=True, help="Skip the transformers generate rows.")
+@click.option("--no-spec", is_flag=True, help="Skip the speculative decoding rows.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
+def bench(model_spec, baseline, prompt_len, output_len, concurrency, requests_per_level, jitter, repeats, no_hf, no_spec,
+          json_path):
+    """Throughput and latency of MODEL: transformers vs this engine, static vs continuous batching, speculative."""
+    import json
+    from pathlib import Path
+
+    from runtime.bench import BenchConfig, format_table, run_bench
+
+    cfg = BenchConfig(model=model_spec, baseline=baseline, prompt_len=prompt_len, output_len=output_len,
+                      concurrency=_levels(concurrency), requests_per_level=requests_per_level, jitter=jitter,
+                      repeats=repeats, hf=not no_hf, speculative=not no_spec)
+    result = run_bench(cfg, progress=lambda msg: click.echo(f"  running {msg}", err=True))
+    click.echo(format_table(result["rows"]))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2, default=str))
+        click.echo(f"wrote {json_path}")
+
 
 
 if __name__ == "__main__":
