@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: exp2(NEG_BIG - NEG_BIG) is 1, not NaN
+NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(NEG_BIG - NEG_BIG) is 1, not NaN
 
 
 @triton.jit
@@ -144,6 +144,11 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
 
+def prefill_tiles(max_query_len: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): 16 query rows (tl.dot's minimum) for short extends, 64 for real prompts."""
+    return (16 if max_query_len <= 16 else 64), (64 if head_dim <= 128 else 32)
+
+
 def _check_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
     """(num_kv_heads, group, head_dim) after checking shapes; the last dim must be contiguous."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -179,7 +184,7 @@ def triton_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    block_m, block_n = 16, 32
+    block_m, block_n = prefill_tiles(max_query_len, d)
     grid = (triton.cdiv(max_query_len, block_m), batch, q.shape[1])
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,

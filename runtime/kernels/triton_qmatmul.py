@@ -63,11 +63,12 @@ def _qmatmul_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _block_sizes(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): 16 rows for decode-sized batches (tl.dot's minimum), more for prefill."""
+def block_sizes(m: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): 16 rows for decode-sized batches (tl.dot's minimum), more for prefill;
+    fp32 activations take twice the shared memory per tile, so they stop at 64 rows."""
     if m <= 16:
         return 16, 64, 64
-    if m <= 64:
+    if m <= 64 or dtype == torch.float32:
         return 64, 64, 64
     return 128, 64, 64
 
@@ -91,7 +92,7 @@ def triton_qmatmul(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | 
     z = qzeros if has_zeros else scales  # any tensor: the pointer is never read
     gi = g_idx.to(torch.int32).contiguous() if g_idx is not None else scales
     cb = nf4_codebook(x.device) if is_nf4 else scales
-    bm, bn, bk = _block_sizes(m)
+    bm, bn, bk = block_sizes(m, x.dtype)
     grid = (triton.cdiv(m, bm), triton.cdiv(out_features, bn))
     _qmatmul_kernel[grid](
         x2, qweight, scales, z, gi, cb, out,

@@ -57,7 +57,8 @@ def paged_setup(seq_lens, block_size, hkv, d, dtype, gen):
 @pytest.mark.parametrize("hq,hkv", HEADS)
 @pytest.mark.parametrize("ctx_new,block_size", [
     ([(0, 5), (7, 9), (16, 1), (3, 21)], 4),  # prefix-cached contexts, lengths ending mid-block
-    ([(0, 37), (20, 13)], 16),  # query tiles and key tiles that straddle blocks
+    ([(0, 37), (20, 13)], 16),  # tiles that straddle blocks
+    ([(0, 80), (50, 30)], 16),  # several query tiles and key tiles: the online softmax rescales
     ([(0, 1)], 16),  # a single token
 ])
 def test_prefill_matches_reference(ta, hq, hkv, ctx_new, block_size):
