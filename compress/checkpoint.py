@@ -40,6 +40,7 @@ def atomic_dir(out: str | Path, overwrite: bool = False):
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
+        _publishable(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
             out.rename(old)
@@ -50,6 +51,16 @@ def atomic_dir(out: str | Path, overwrite: bool = False):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publishable(folder: Path) -> None:
+    """mkdtemp makes a private (0700) folder; give the result the modes the umask allows."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [folder, *folder.rglob("*")]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -82,7 +93,7 @@ def build_quantization_config(model: nn.Module, method: str, scheme: Scheme, act
 def save_quantized(model: nn.Module, tokenizer, out: str | Path, quantization_config: dict,
                    overwrite: bool = False) -> Path:
     """Write the quantized model atomically (temporary folder, then rename)."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     out = Path(out)
     with atomic_dir(out, overwrite=overwrite) as tmp:
@@ -91,9 +102,21 @@ def save_quantized(model: nn.Module, tokenizer, out: str | Path, quantization_co
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(_unique_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+    return out
+
+
+def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict without tied duplicates (the first name, e.g. the input embedding, is kept)."""
+    out, seen = {}, set()
+    for k, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[k] = t.detach().contiguous()
     return out
 
 

@@ -117,30 +117,56 @@ def _expand(t: Tensor, g_idx: Tensor) -> Tensor:
     return t.index_select(1, g_idx.to(t.device))
 
 
+def _grouped(t: Tensor, n_groups: int, g: int) -> Tensor:
+    """[out, in] -> zero-padded [out, G, g] (natural column order)."""
+    return torch.nn.functional.pad(t, (0, n_groups * g - t.shape[1])).reshape(t.shape[0], n_groups, g)
+
+
+def _zero(zero: Tensor | None, scheme: Scheme) -> Tensor | int:
+    return scheme.sym_zero if zero is None else zero.float()
+
+
 def quantize(w: Tensor, scale: Tensor, zero: Tensor | None, scheme: Scheme, g_idx: Tensor | None = None) -> Tensor:
     """Integer codes (uint8) of ``w: [out, in]`` for the given qparams; ``g_idx`` maps columns to groups."""
-    g_idx = group_index(w.shape[1], scheme, w.device) if g_idx is None else g_idx
-    s = _expand(scale, g_idx).float()
-    w = w.float()
+    out_f, in_f = w.shape
+    if g_idx is None:  # natural order: broadcast per-group parameters over [out, G, g]
+        g, n = scheme.group(in_f), scheme.n_groups(in_f)
+        x = _grouped(w.float(), n, g).div_(scale.float()[..., None])
+        z = _zero(zero, scheme)
+        z = z[..., None] if isinstance(z, Tensor) else z
+    else:
+        x = w.float() / _expand(scale, g_idx).float()
+        z = _zero(zero, scheme)
+        z = _expand(z, g_idx) if isinstance(z, Tensor) else z
     if scheme.format == "nf4":
         code = nf4_codebook(w.device)
-        x = (w / s).clamp(-1, 1)
-        # nearest codebook entry via midpoints (codebook is sorted)
-        mids = (code[1:] + code[:-1]) / 2
-        return torch.bucketize(x, mids).to(torch.uint8)
-    z = scheme.sym_zero if zero is None else _expand(zero, g_idx).float()
-    return torch.clamp(torch.round(w / s) + z, 0, scheme.maxq).to(torch.uint8)
+        mids = (code[1:] + code[:-1]) / 2  # nearest codebook entry via midpoints (codebook is sorted)
+        q = torch.bucketize(x.clamp_(-1, 1), mids)
+    else:
+        q = x.round_().add_(z).clamp_(0, scheme.maxq)
+    return q.to(torch.uint8).reshape(out_f, -1)[:, :in_f]
 
 
 def dequantize(q: Tensor, scale: Tensor, zero: Tensor | None, scheme: Scheme, g_idx: Tensor | None = None,
                dtype: torch.dtype = torch.float32) -> Tensor:
     """``q: [out, in]`` codes back to real weights of ``dtype``."""
-    g_idx = group_index(q.shape[1], scheme, q.device) if g_idx is None else g_idx
-    s = _expand(scale, g_idx).float()
+    out_f, in_f = q.shape
+    if g_idx is None:
+        g, n = scheme.group(in_f), scheme.n_groups(in_f)
+        s = scale.float()[..., None]
+        x = _grouped(q, n, g)
+        z = _zero(zero, scheme)
+        z = z[..., None] if isinstance(z, Tensor) else z
+    else:
+        s = _expand(scale, g_idx).float()
+        x = q
+        z = _zero(zero, scheme)
+        z = _expand(z, g_idx) if isinstance(z, Tensor) else z
     if scheme.format == "nf4":
-        return (nf4_codebook(q.device)[q.long()] * s).to(dtype)
-    z = scheme.sym_zero if zero is None else _expand(zero, g_idx).float()
-    return ((q.float() - z) * s).to(dtype)
+        w = nf4_codebook(q.device)[x.long()].mul_(s)
+    else:
+        w = (x.float() - z).mul_(s)
+    return w.reshape(out_f, -1)[:, :in_f].to(dtype)
 
 
 def fake_quantize(w: Tensor, scheme: Scheme) -> Tensor:

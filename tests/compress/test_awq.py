@@ -1,0 +1,34 @@
+import torch
+
+from compress import awq, rtn
+from compress.quant import Scheme
+
+
+def test_awq_beats_rtn_on_outlier_input_channels():
+    g = torch.Generator().manual_seed(0)
+    d_in, d_out = 128, 64
+    x = torch.randn(2048, d_in, generator=g)
+    x[:, :4] *= 30  # a few outlier input channels, as in real LLM activations
+    w = torch.randn(d_out, d_in, generator=g) * 0.05
+    scheme = Scheme(4, 64, False)
+    ref = x @ w.T
+    res = awq.search_scale(x.abs().mean(0), [w], scheme, lambda ws: x @ ws[0].T, ref, grid=20)
+    assert res.ratio > 0 and res.loss < res.base_loss
+    # the scales fold away exactly: (w * s) quantized, inputs divided by s
+    wq = rtn.quantize_weight(w * res.scales, scheme).dequantize()
+    err_awq = ((x / res.scales) @ wq.T - ref).pow(2).mean()
+    err_rtn = (x @ rtn.quantize_weight(w, scheme).dequantize().T - ref).pow(2).mean()
+    assert err_awq < 0.8 * err_rtn
+
+
+def test_clip_search_never_hurts_the_group_error():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 96, generator=g)
+    w = torch.randn(32, 96, generator=g) * 0.05
+    w[0, 5] = 1.0  # one outlier weight stretches its group's range
+    scheme = Scheme(3, 32, False)
+    bound = awq.search_clip(x, w, scheme, grid=20)
+    assert bound.shape == (32, 3)
+    clipped = rtn.quantize_weight(awq.clip_weight(w, bound, scheme), scheme).dequantize()
+    plain = rtn.quantize_weight(w, scheme).dequantize()
+    assert (x @ (clipped - w).T).pow(2).mean() <= (x @ (plain - w).T).pow(2).mean()

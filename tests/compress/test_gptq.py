@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+from compress import gptq, rtn
+from compress.quant import Scheme
+
+
+def _layer(seed=0, n=2048, d_in=96, d_out=48):
+    """Correlated inputs with a few loud channels, as real activations have."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(d_in, d_in, generator=g) / d_in**0.5
+    x = torch.randn(n, d_in, generator=g) @ mix * (1 + 4 * (torch.rand(d_in, generator=g) > 0.9))
+    w = torch.randn(d_out, d_in, generator=g) * 0.05
+    h = gptq.Hessian.zeros(d_in)
+    for chunk in x.split(256):
+        h.add(chunk)
+    return x, w, h
+
+
+def test_hessian_is_running_mean_of_2xtx():
+    x, _, h = _layer()
+    assert h.n == x.shape[0]
+    assert torch.allclose(h.H, 2 * x.T @ x / x.shape[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", [Scheme(4, 32, False), Scheme(4, 32, True), Scheme(3, 40, False),
+                                    Scheme(2, -1, False), Scheme(8, -1, True)])
+@pytest.mark.parametrize("act_order,static", [(False, False), (True, False), (True, True)])
+def test_gptq_output_error_no_worse_than_rtn(scheme, act_order, static):
+    x, w, h = _layer()
+    res = gptq.quantize_weight(w, h.H, scheme, act_order=act_order, static_groups=static, block_size=32)
+    err_gptq = (x @ (res.weight.dequantize() - w).T).pow(2).mean()
+    err_rtn = (x @ (rtn.quantize_weight(w, scheme).dequantize() - w).T).pow(2).mean()
+    assert err_gptq <= err_rtn
+    assert res.loss >= 0
+    qw = res.weight
+    assert qw.q.shape == w.shape and int(qw.q.max()) <= scheme.maxq
+    assert (qw.g_idx is not None) == (act_order and not static)
+    if qw.g_idx is not None:  # every group holds group_size columns (the last may be ragged)
+        counts = torch.bincount(qw.g_idx.long())
+        assert counts[:-1].eq(scheme.group(w.shape[1])).all()
+
+
+def test_dead_inputs_are_zeroed():
+    x, w, h = _layer()
+    h.H[3, :] = 0
+    h.H[:, 3] = 0
+    res = gptq.quantize_weight(w, h.H, Scheme(4, 32, False))
+    assert torch.isfinite(res.weight.dequantize()).all()
+
+
+def test_nf4_is_refused():
+    _, w, h = _layer()
+    with pytest.raises(ValueError, match="nf4"):
+        gptq.quantize_weight(w, h.H, Scheme(4, 32, True, "nf4"))

@@ -1,0 +1,92 @@
+import copy
+
+import pytest
+import torch
+from tiny_models import FAMILIES, tiny_model
+
+from compress.checkpoint import build_quantization_config, load_quantized, quantized_modules, save_quantized
+from compress.config import QuantizeConfig
+from compress.pipeline import quantize_model
+from compress.qlinear import QuantLinear
+
+METHODS = {
+    "rtn": dict(method="rtn", bits=4, group_size=32),
+    "gptq": dict(method="gptq", bits=4, group_size=32),
+    "gptq-actorder": dict(method="gptq", bits=4, group_size=32, act_order=True),
+    "awq": dict(method="awq", bits=4, group_size=32, search_tokens=256),
+    "nf4": dict(method="nf4", bits=4, group_size=32),
+    "int8": dict(method="rtn", bits=8, group_size=-1, sym=True),
+}
+
+
+def _batches(vocab=256, n=4, seqlen=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return list(torch.randint(0, vocab, (n * 2, seqlen), generator=g).split(2))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_on_every_family(family, method, tmp_path):
+    base = tiny_model(family)
+    model = copy.deepcopy(base)
+    cfg = QuantizeConfig(**METHODS[method])
+    quantize_model(model, cfg, _batches())
+    qmods = quantized_modules(model)
+    assert len(qmods) == 7 * model.config.num_hidden_layers  # q k v o gate up down per block
+    assert not any(isinstance(m, torch.nn.Linear) and "layers" in n for n, m in model.named_modules())
+    ids = _batches(seed=1)[0]
+    with torch.no_grad():
+        ref, out = base(ids).logits, model(ids).logits
+    assert torch.isfinite(out).all()
+    rel = (out - ref).norm() / ref.norm()
+    assert rel < (0.05 if method == "int8" else 0.5)
+    # the checkpoint reloads into the same modules and gives identical logits
+    qc = build_quantization_config(model, cfg.method, cfg.scheme, cfg.act_order)
+    save_quantized(model, None, tmp_path / "q", qc)
+    again = load_quantized(tmp_path / "q")
+    assert set(quantized_modules(again)) == set(qmods)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, out)
+
+
+def test_calibrated_methods_beat_rtn_on_a_tiny_llama():
+    base = tiny_model("llama", hidden=128)
+    with torch.no_grad():  # a few loud channels, as real LLM activations have: what AWQ exists for
+        for layer in base.model.layers:
+            layer.input_layernorm.weight[:4] *= 20
+            layer.post_attention_layernorm.weight[:4] *= 20
+    ids = _batches(seed=3)[0]
+    with torch.no_grad():
+        ref = base(ids).logits
+    errs = {}
+    for m in ("rtn", "gptq", "awq"):
+        model = copy.deepcopy(base)
+        quantize_model(model, QuantizeConfig(method=m, bits=3, group_size=32, search_tokens=512), _batches(n=8))
+        with torch.no_grad():
+            errs[m] = (model(ids).logits - ref).pow(2).mean().item()
+    assert errs["gptq"] < errs["rtn"]
+    assert errs["awq"] < errs["rtn"]
+
+
+def test_ragged_groups_are_recorded():
+    model = tiny_model("llama", hidden=80)  # 80 = 64 + 16: ragged last group at group size 64
+    cfg = QuantizeConfig(method="rtn", bits=4, group_size=64)
+    quantize_model(model, cfg)
+    qc = build_quantization_config(model, "rtn", cfg.scheme)
+    assert qc["ragged"]["model.layers.0.self_attn.q_proj"] == 16
+    assert qc["ragged"]["model.layers.0.mlp.down_proj"] == 32  # intermediate 160 = 2 x 64 + 32
+    m = model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert isinstance(m, QuantLinear) and m.scales.shape[1] == 2
+
+
+def test_calibrated_method_without_data_is_an_error():
+    with pytest.raises(ValueError, match="calibration"):
+        quantize_model(tiny_model("llama"), QuantizeConfig(method="gptq"), None)
+
+
+def test_nonfinite_activations_are_reported():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_model(model, QuantizeConfig(method="gptq", group_size=32), _batches())

@@ -1,0 +1,72 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compress.quant import BITS, Scheme, compute_qparams, dequantize, group_index, pack, per_word, quantize, unpack
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from(BITS), rows=st.integers(1, 5), n=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_pack_unpack_is_a_bijection(bits, rows, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (rows, n), generator=g, dtype=torch.uint8)
+    packed = pack(q, bits)
+    assert packed.dtype == torch.int32 and packed.shape == (rows, math.ceil(n / per_word(bits)))
+    assert torch.equal(unpack(packed, bits, n), q)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_bit_order_is_lsb_first_along_in(bits):
+    k = per_word(bits)
+    q = torch.zeros(1, k, dtype=torch.uint8)
+    q[0, 1] = 1  # the second code of the word sits at bit `bits`
+    assert pack(q, bits).item() == 1 << bits
+    q = torch.full((1, k), 2**bits - 1, dtype=torch.uint8)
+    assert pack(q, bits).item() == (((1 << (k * bits)) - 1) if k * bits < 32 else -1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from(BITS), group=st.sampled_from([-1, 8, 16, 24, 64]), sym=st.booleans(),
+       n=st.integers(1, 100), seed=st.integers(0, 2**16))
+def test_round_trip_error_is_at_most_half_a_step(bits, group, sym, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(6, n, generator=g) * 0.05
+    scheme = Scheme(bits=bits, group_size=group, sym=sym)
+    scale, zero = compute_qparams(w, scheme)
+    assert scale.shape == (6, scheme.n_groups(n)) and scale.dtype == torch.float16
+    q = quantize(w, scale, zero, scheme)
+    assert q.max() <= scheme.maxq
+    step = scale.float().index_select(1, group_index(n, scheme))
+    err = (dequantize(q, scale, zero, scheme) - w).abs()
+    assert (err <= step / 2 * (1 + 1e-3) + 1e-7).all()
+
+
+def test_ragged_last_group_has_its_own_scale():
+    w = torch.ones(2, 40)
+    w[:, 32:] = 100.0  # the 8 ragged columns alone are large
+    scheme = Scheme(bits=4, group_size=32, sym=True)
+    scale, _ = compute_qparams(w, scheme)
+    assert scale.shape == (2, 2)
+    assert scale[0, 1] > 10 * scale[0, 0]
+    assert torch.allclose(dequantize(quantize(w, scale, None, scheme), scale, None, scheme), w, rtol=1e-2)
+
+
+def test_nf4_hits_codebook_exactly():
+    from compress.quant import NF4_CODEBOOK
+
+    scheme = Scheme(bits=4, group_size=16, sym=True, format="nf4")
+    w = torch.tensor([NF4_CODEBOOK]) * 0.5
+    scale, _ = compute_qparams(w, scheme)
+    q = quantize(w, scale, None, scheme)
+    assert q.tolist()[0] == list(range(16))
+    assert torch.allclose(dequantize(q, scale, None, scheme), w, atol=1e-4)
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(bits=5), "bits=5"), (dict(group_size=4), "group_size=4"),
+                                    (dict(format="fp4"), "format"), (dict(bits=3, format="nf4"), "nf4")])
+def test_bad_schemes_name_the_value(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        Scheme(**kw)

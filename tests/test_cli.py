@@ -1,0 +1,99 @@
+"""`compress quantize` / `compress recipes` end to end on a tiny model, and their error cases."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smol_tokenizer):
+    from tiny_models import tiny_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    tiny_model("llama", vocab=len(smol_tokenizer)).save_pretrained(path)
+    smol_tokenizer.save_pretrained(path)
+    return path
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_recipes_lists_each_with_a_description():
+    res = run("recipes")
+    assert res.exit_code == 0
+    for name in ("awq4", "gptq4", "rtn4", "int8", "nf4"):
+        assert name in res.output
+
+
+def test_quantize_end_to_end_and_reload(tiny_dir, calib_text, tmp_path):
+    out = tmp_path / "q"
+    res = run("quantize", "--recipe", "gptq4", "--model", tiny_dir, "--calib", calib_text, "--nsamples", 4,
+              "--seqlen", 32, "--group-size", 32, "--out", out)
+    assert res.exit_code == 0, res.output
+    assert "smaller" in res.output and f"wrote {out}" in res.output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["method"] == "gptq" and qc["bits"] == 4 and qc["group_size"] == 32
+    assert qc["calibration"] == {"source": str(calib_text), "nsamples": 4, "seqlen": 32, "seed": 0}
+    assert len(qc["modules"]) == 14
+    from compress.models import load_model
+
+    model, tok, src = load_model(str(out))
+    assert src.quantized
+    with torch.no_grad():
+        assert torch.isfinite(model(tok("hello world", return_tensors="pt").input_ids).logits).all()
+    # an existing output is refused without --overwrite, and kept as it was
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    res = run("quantize", "--recipe", "rtn4", "--model", tiny_dir, "--group-size", 32, "--out", out)
+    assert res.exit_code == 2 and "--overwrite" in res.output
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+    res = run("quantize", "--recipe", "rtn4", "--model", tiny_dir, "--group-size", 32, "--out", out, "--overwrite")
+    assert res.exit_code == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["method"] == "rtn"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--recipe", "nope"], "known recipes: "),
+    (["--bits", "5"], "bits=5"),
+    (["--group-size", "3"], "group_size=3"),
+    (["--model", "/no/such/model"], "not found"),
+])
+def test_bad_input_is_one_clear_line(args, msg, tiny_dir, tmp_path):
+    if "--model" not in args:
+        args = [*args, "--model", tiny_dir]
+    res = run("quantize", *args, "--out", tmp_path / "q")
+    assert res.exit_code == 2
+    assert res.output.startswith("error: ") and msg in res.output
+    assert not (tmp_path / "q").exists()
+
+
+def test_unknown_recipe_key(tiny_dir, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("method: rtn\nbits: 4\ngroup_sise: 32\n")
+    res = run("quantize", "--recipe", recipe, "--model", tiny_dir, "--out", tmp_path / "q")
+    assert res.exit_code == 2 and "group_sise" in res.output
+
+
+@pytest.mark.parametrize("text,msg", [("", "no text"), ("just a few words", "need at least seqlen")])
+def test_empty_or_short_calibration_source(text, msg, tiny_dir, tmp_path):
+    src = tmp_path / "c.txt"
+    src.write_text(text)
+    res = run("quantize", "--recipe", "awq4", "--model", tiny_dir, "--calib", src, "--seqlen", 64,
+              "--out", tmp_path / "q")
+    assert res.exit_code == 2 and msg in res.output, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]  # no partial or temporary folder
+
+
+def test_failure_mid_write_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
+    import compress.checkpoint as ckpt
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "_unique_state", boom)
+    with pytest.raises(OSError):
+        run("quantize", "--recipe", "rtn4", "--model", tiny_dir, "--group-size", 32, "--out", tmp_path / "q")
+    assert list(tmp_path.iterdir()) == []
