@@ -106,6 +106,8 @@ def export_decoder(model: nn.Module, path: Path, dtype: torch.dtype, translation
         program = torch.onnx.export(wrapper, args, dynamo=True, dynamic_shapes=dynamic, opset_version=OPSET,
                                     input_names=input_names(n), output_names=output_names(n),
                                     custom_translation_table=translations, verbose=False)
+    for node in program.model.graph:  # drop per-node trace info (local source paths, stack traces)
+        node.metadata_props.clear()
     program.model.metadata_props.update(metadata or {})
     program.save(str(path))
 

@@ -41,8 +41,11 @@ def block_size(m: QuantLinear) -> int | None:
 
 
 def column_order(m: QuantLinear) -> Tensor | None:
-    """Permutation that makes every group contiguous (act-order only)."""
-    return None if m.g_idx is None else torch.argsort(m.g_idx.long(), stable=True)
+    """Permutation that makes every group contiguous (act-order only; None when already in order)."""
+    if m.g_idx is None:
+        return None
+    perm = torch.argsort(m.g_idx.long(), stable=True)
+    return None if torch.equal(perm, torch.arange(m.in_features)) else perm
 
 
 def _block_groups(m: QuantLinear, block: int) -> tuple[Tensor, bool]:

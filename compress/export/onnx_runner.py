@@ -54,14 +54,18 @@ class OnnxCausalLM:
         self.kv_heads, self.head_dim = first.shape[1], first.shape[3]
         self.np_dtype = _NP[first.type]
         self.uses_position_ids = "position_ids" in inputs
-        self.config = self._config()
+        self.config, self.generation_config = self._configs()
 
-    def _config(self):
-        if not (self.path / "config.json").is_file():
-            return None
-        from transformers import AutoConfig
+    def _configs(self):
+        from transformers import AutoConfig, GenerationConfig
 
-        return AutoConfig.from_pretrained(self.path)
+        config = AutoConfig.from_pretrained(self.path) if (self.path / "config.json").is_file() else None
+        gen = None
+        if (self.path / "generation_config.json").is_file():
+            gen = GenerationConfig.from_pretrained(self.path)
+        elif config is not None:
+            gen = GenerationConfig.from_model_config(config)
+        return config, gen
 
     @property
     def device(self) -> torch.device:
@@ -125,7 +129,10 @@ def load_causal_lm(spec: str):
 
 
 def greedy_generate(model, input_ids: Tensor, max_new_tokens: int, eos_token_id=None) -> Tensor:
-    """Greedy tokens from a torch model or an OnnxCausalLM, prompt included."""
+    """Greedy tokens from a torch model or an OnnxCausalLM, prompt included; stops at the model's EOS
+    (its generation config's) unless ``eos_token_id`` is given."""
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(model, OnnxCausalLM):
         return model.generate(input_ids, max_new_tokens, eos_token_id=eos_token_id)
     from transformers import GenerationConfig

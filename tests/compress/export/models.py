@@ -68,8 +68,9 @@ def quantize_model(model: nn.Module, scheme: Scheme, act_order: bool = False, se
 
 
 def save(model: nn.Module, folder, scheme: Scheme, act_order: bool = False, tokenizer=None):
+    """Save as compress quantize would (a tokenizer is needed: compress.models.load_model reads one)."""
     qc = build_quantization_config(model, "rtn", scheme, act_order)
-    return save_quantized(model, tokenizer, folder, qc)
+    return save_quantized(model, tokenizer or byte_tokenizer(), folder, qc)
 
 
 def byte_tokenizer():
