@@ -50,8 +50,9 @@ def _mb(n: int) -> str:
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
 @click.option("--allow-pickle", is_flag=True, help="Allow pickled .bin weights (they can run code when loaded).")
+@click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the summary as JSON.")
 def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size, sym, act_order, seed, overwrite,
-             trust_remote_code, allow_pickle):
+             trust_remote_code, allow_pickle, json_path):
     """Quantize MODEL with a recipe into a packed checkpoint folder."""
     from pathlib import Path
 
@@ -83,6 +84,11 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
     click.echo(f"size: {_mb(res.fp_bytes)} (fp) -> {_mb(res.out_bytes)} ({res.fp_bytes / max(res.out_bytes, 1):.2f}x smaller)")
     click.echo(f"time: {res.seconds:.1f} s (quantization {res.report.seconds:.1f} s), peak memory {_mb(res.peak_rss_bytes)}")
     click.echo(f"wrote {res.out}")
+    if json_path:
+        import dataclasses
+        import json
+
+        Path(json_path).write_text(json.dumps({**dataclasses.asdict(res), "recipe": recipe}, indent=2))
 
 
 @main.command()
