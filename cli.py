@@ -133,6 +133,39 @@ def eval_cmd(model_spec, baseline, ppl, tasks, limit, seqlen, max_windows, batch
 
 
 # --- export -------------------------------------------------------------------------------------
+EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "onnx", "onnx-int4")  # compress/export/dispatch.py FORMATS
+
+
+@main.command("export")
+@click.argument("model_spec", metavar="MODEL_DIR")
+@click.option("--format", "fmt", required=True, help=f"Target format: {', '.join(EXPORT_FORMATS)}.")
+@click.option("--out", required=True, type=click.Path(), help="Output folder (written atomically).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@click.option("--dtype", default=None, help="float32 or float16 for the unquantized tensors "
+              "[default: float16 for compressed-tensors/gptq/awq, float32 for onnx/onnx-int4].")
+def export_cmd(model_spec, fmt, out, overwrite, dtype):
+    """Export a quantized folder (or, for --format onnx, any model) to another runtime's format."""
+    from compress.export.dispatch import export
+
+    path = export(model_spec, fmt, out, overwrite=overwrite, dtype=dtype)
+    click.echo(f"wrote {fmt} export to {path}")
+
+
+@main.command("generate")
+@click.argument("model_spec", metavar="MODEL")
+@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+def generate_cmd(model_spec, prompt, max_new_tokens):
+    """Greedy continuation of PROMPT by a model name, HF/quantized folder or exported ONNX folder."""
+    from compress.export.onnx_runner import greedy_generate, load_causal_lm
+
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    model, tokenizer = load_causal_lm(model_spec)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = greedy_generate(model, ids, max_new_tokens)
+    click.echo(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+
 
 # --- serve / bench ------------------------------------------------------------------------------
 @main.command()

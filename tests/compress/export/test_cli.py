@@ -1,0 +1,57 @@
+"""`compress export` and `compress generate` from the command line: results, refusals and atomicity."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from cli import EXPORT_FORMATS, main
+from compress.export.dispatch import FORMATS
+
+
+def test_cli_lists_exactly_the_dispatch_formats():
+    assert tuple(FORMATS) == EXPORT_FORMATS
+
+
+def test_export_then_refuse_existing_output(quantized_dir, tmp_path):
+    src, out = quantized_dir(family="llama"), tmp_path / "ct"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "compressed-tensors", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert (out / "model.safetensors").is_file()
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "gptq", "--out", str(out)])
+    assert r.exit_code == 2 and "already exists" in r.output and "--overwrite" in r.output
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "gptq", "--out", str(out), "--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert (out / "quantize_config.json").is_file()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--format", "ggml"], "unknown export format"),
+    (["--format", "gptq", "--dtype", "bfloat16"], "--dtype 'bfloat16'"),
+])
+def test_bad_flags_are_one_line_errors(quantized_dir, tmp_path, args, message):
+    r = CliRunner().invoke(main, ["export", str(quantized_dir(family="llama")), "--out", str(tmp_path / "o"), *args])
+    assert r.exit_code == 2 and message in r.output and not (tmp_path / "o").exists()
+
+
+def test_failed_export_leaves_no_folder(quantized_dir, tmp_path, monkeypatch):
+    from compress.export import dispatch
+
+    def broken(source, folder, dtype):
+        (folder / "model.safetensors").write_text("half written")
+        raise ValueError("disk full")
+
+    monkeypatch.setitem(dispatch.FORMATS, "gptq", dispatch.ExportFormat(broken, None, True, "float16"))
+    r = CliRunner().invoke(main, ["export", str(quantized_dir(family="llama")), "--format", "gptq",
+                                  "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "disk full" in r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_prints_the_same_text_for_torch_and_onnx(exported):
+    src, out = exported("onnx-int4", family="llama", group=32, sym=False)
+    texts = []
+    for model in (src, out):
+        r = CliRunner().invoke(main, ["generate", str(model), "--prompt", "hello", "--max-new-tokens", "8"])
+        assert r.exit_code == 0, r.output
+        texts.append(r.output)
+    assert texts[0] == texts[1] and texts[0].strip()
