@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from compress.quant import Scheme, fake_quantize, group_index
+from compress.quant import Scheme, fake_quantize, fake_quantize_groups, group_index
 
 
 @dataclass
@@ -56,27 +56,23 @@ def search_clip(x: Tensor, w: Tensor, scheme: Scheme, grid: int = 20, max_shrink
                 chunk: int = 256) -> Tensor:
     """Per (output row, group) clipping bound ``[out, G]`` minimising each group's contribution to the
     output error on sample inputs ``x: [n, in]``."""
-    w = w.float()
-    xg = _grouped(x.float(), scheme)  # [n, G, g]
-    wg = _grouped(w, scheme)  # [out, G, g]
-    full = wg.abs().amax(dim=-1)  # [out, G]
-    best_val = full.clone()
-    gi = group_index(w.shape[1], scheme, w.device)
-    for r0 in range(0, w.shape[0], chunk):  # rows in chunks bound the [n, rows, G] error tensor
-        rows = slice(r0, r0 + chunk)
-        ref = torch.einsum("ngk,ogk->nog", xg, wg[rows])
+    xg = _grouped(x.float(), scheme).permute(1, 0, 2)  # [G, n, g]
+    wg_all = _grouped(w.float(), scheme)  # [out, G, g]
+    best_val = wg_all.abs().amax(dim=-1)  # [out, G]: no clipping
+    for r0 in range(0, w.shape[0], chunk):  # rows in chunks bound the [G, n, rows] error tensor
+        wg = wg_all[r0:r0 + chunk]
+        full = best_val[r0:r0 + chunk].clone()
         best_err = None
         for k in range(int(grid * max_shrink) + 1):
-            bound = full[rows] * (1 - k / grid)  # [o, G]
-            b = bound.index_select(1, gi)  # [o, in]
-            wq = fake_quantize(torch.clamp(w[rows], -b, b), scheme)
-            err = (torch.einsum("ngk,ogk->nog", xg, _grouped(wq, scheme)) - ref).pow(2).mean(dim=0)  # [o, G]
+            bound = (full * (1 - k / grid))[..., None]  # [o, G, 1]
+            dq = fake_quantize_groups(torch.maximum(torch.minimum(wg, bound), -bound), scheme) - wg
+            err = torch.bmm(xg, dq.permute(1, 2, 0)).pow_(2).mean(dim=1).T  # [G, n, o] -> [o, G]
             if best_err is None:
                 best_err = err
                 continue
             better = err < best_err
             best_err = torch.where(better, err, best_err)
-            best_val[rows] = torch.where(better, bound, best_val[rows])
+            best_val[r0:r0 + chunk] = torch.where(better, bound[..., 0], best_val[r0:r0 + chunk])
     return best_val
 
 

@@ -24,6 +24,7 @@ class BlockInputs:
 
     hidden: list[Tensor]
     kwargs: list[dict] = field(default_factory=list)
+    autocast: torch.dtype | None = None  # e.g. bfloat16: run blocks in reduced precision (stats stay fp32)
 
     @property
     def tokens(self) -> int:
@@ -33,9 +34,10 @@ class BlockInputs:
     def forward(self, block: nn.Module) -> list[Tensor]:
         """Run ``block`` on every batch; returns its output hidden states."""
         outs = []
-        for h, kw in zip(self.hidden, self.kwargs):
-            out = block(h, **kw)
-            outs.append(out[0] if isinstance(out, tuple) else out)
+        with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            for h, kw in zip(self.hidden, self.kwargs):
+                out = block(h, **kw)
+                outs.append((out[0] if isinstance(out, tuple) else out).float())
         return outs
 
 
@@ -89,16 +91,17 @@ PerBlock = Callable[[int, nn.Module, BlockInputs], None]
 
 
 def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
-                   progress: Callable[[int, int], None] | None = None) -> None:
+                   progress: Callable[[int, int], None] | None = None, autocast: torch.dtype | None = None) -> None:
     """Call ``per_block(i, block, inputs)`` for each decoder block in order, feeding each block the
     outputs of the already-processed (quantized) previous block."""
     layers = decoder_layers(model)
     inputs = capture_inputs(model, batches)
+    inputs.autocast = autocast
     check_finite(inputs.hidden, "entering block 0")
     for i, block in enumerate(layers):
         per_block(i, block, inputs)
         outputs = inputs.forward(block)
         check_finite(outputs, f"after block {i}")
-        inputs = BlockInputs(outputs, inputs.kwargs)
+        inputs = BlockInputs(outputs, inputs.kwargs, autocast)
         if progress:
             progress(i + 1, len(layers))

@@ -9,7 +9,9 @@ import yaml
 
 from compress.quant import Scheme
 
-METHODS = ("rtn", "gptq", "awq", "nf4")
+METHODS = ("rtn", "gptq", "awq", "nf4", "qat")
+QAT_INITS = ("rtn", "awq")
+TRAIN_DTYPES = ("bfloat16", "float32")
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
@@ -28,6 +30,7 @@ class QuantizeConfig:
     seqlen: int = 512
     seed: int = 0
     batch_size: int = 8
+    calib_dtype: str = "float32"  # or bfloat16: block forwards during calibration under CPU autocast
     # gptq
     damp: float = 0.01
     block_size: int = 128
@@ -39,6 +42,19 @@ class QuantizeConfig:
     search_tokens: int = 4096
     # fp linears kept as they are (regular expressions on module names)
     ignore: tuple[str, ...] = ("lm_head",)
+    # qat: start from a PTQ result (init), then distil the fp model for `steps` (weights at lr, scales at scale_lr)
+    init: str = "rtn"
+    steps: int = 200
+    lr: float = 1e-5
+    scale_lr: float = 1e-3
+    learn_zero: bool = False
+    train_dtype: str = "bfloat16"  # autocast dtype of training forwards (qat and uptraining); float32 disables
+    # gqa: pool the KV heads down to kv_heads (0 keeps them), uptrain for uptrain_steps, then quantize
+    kv_heads: int = 0
+    uptrain_steps: int = 0
+    uptrain_lr: float = 5e-5
+    # moe: an expert routed fewer calibration tokens than this is RTN-quantized (None: compress.moe default)
+    moe_min_tokens: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -49,9 +65,33 @@ class QuantizeConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 < self.damp < 1:
             raise ValueError(f"damp={self.damp} must be in (0, 1), e.g. 0.01")
+        if self.calib_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"calib_dtype={self.calib_dtype!r} must be float32 or bfloat16")
         if self.act_order and self.method != "gptq":
             raise ValueError("act_order applies to method gptq only")
+        self._validate_training()
         object.__setattr__(self, "ignore", tuple(self.ignore))
+
+    def _validate_training(self) -> None:
+        if self.init not in QAT_INITS:
+            raise ValueError(f"init={self.init!r} is unknown; use one of {QAT_INITS}")
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps} must be >= 1")
+        for name in ("lr", "uptrain_lr"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1), e.g. 1e-5")
+        if not 0 <= self.scale_lr < 1:
+            raise ValueError(f"scale_lr={self.scale_lr} must be in [0, 1), e.g. 1e-3 (0 keeps the scales fixed)")
+        if self.train_dtype not in TRAIN_DTYPES:
+            raise ValueError(f"train_dtype={self.train_dtype!r} is unknown; use one of {TRAIN_DTYPES}")
+        if self.kv_heads < 0:
+            raise ValueError(f"kv_heads={self.kv_heads} must be >= 1 (or 0 to keep the model's KV heads)")
+        if self.uptrain_steps < 0:
+            raise ValueError(f"uptrain_steps={self.uptrain_steps} must be >= 0")
+        if self.uptrain_steps and not self.kv_heads:
+            raise ValueError(f"uptrain_steps={self.uptrain_steps} uptrains a KV-head conversion; set kv_heads too")
+        if self.moe_min_tokens is not None and self.moe_min_tokens < 1:
+            raise ValueError(f"moe_min_tokens={self.moe_min_tokens} must be >= 1")
 
     @property
     def scheme(self) -> Scheme:
@@ -60,7 +100,7 @@ class QuantizeConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method in ("gptq", "awq")
+        return self.method in ("gptq", "awq", "qat") or self.uptrain_steps > 0
 
     def replace(self, **changes) -> "QuantizeConfig":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})

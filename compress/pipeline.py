@@ -192,7 +192,8 @@ def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] 
             per_block = _gptq_block(cfg, report)
         else:
             per_block = _awq_block(cfg, block_map(model.config.model_type), report)
-        run_sequential(model, batches, per_block, progress)
+        autocast = torch.bfloat16 if cfg.calib_dtype == "bfloat16" else None
+        run_sequential(model, batches, per_block, progress, autocast)
     report.seconds = time.perf_counter() - t0
     return report
 

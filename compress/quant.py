@@ -169,10 +169,33 @@ def dequantize(q: Tensor, scale: Tensor, zero: Tensor | None, scheme: Scheme, g_
     return w.reshape(out_f, -1)[:, :in_f].to(dtype)
 
 
+def fake_quantize_groups(wg: Tensor, scheme: Scheme) -> Tensor:
+    """RTN round trip of grouped weights ``wg: [..., g]`` (each last-dim row one group), same rounding
+    as compute_qparams/quantize/dequantize; zero padding inside a group is harmless (ranges hold 0)."""
+    wg = wg.float()
+    if scheme.format == "nf4":
+        flat = wg.reshape(-1, wg.shape[-1])
+        one = Scheme(4, -1, True, "nf4")
+        scale, _ = find_params(flat, one)
+        return dequantize(quantize(flat, scale[:, None], None, one), scale[:, None], None, one).reshape(wg.shape)
+    if scheme.sym:
+        s = (wg.abs().amax(-1, keepdim=True) / (scheme.sym_zero - 1)).clamp_(min=MIN_SCALE).half().float()
+        z = float(scheme.sym_zero)
+    else:
+        lo = wg.amin(-1, keepdim=True).clamp_(max=0)
+        hi = wg.amax(-1, keepdim=True).clamp_(min=0)
+        s = ((hi - lo) / scheme.maxq).clamp_(min=MIN_SCALE).half().float()
+        z = torch.round(-lo / s).clamp_(0, scheme.maxq)
+    q = (wg / s).round_().add_(z).clamp_(0, scheme.maxq)
+    return q.sub_(z).mul_(s)
+
+
 def fake_quantize(w: Tensor, scheme: Scheme) -> Tensor:
-    """RTN round trip of ``w`` with its own qparams (for searches and measurements)."""
-    scale, zero = compute_qparams(w, scheme)
-    return dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme, dtype=w.dtype)
+    """RTN round trip of ``w: [out, in]`` with its own group-wise qparams (for searches and measurements)."""
+    out_f, in_f = w.shape
+    g, n = scheme.group(in_f), scheme.n_groups(in_f)
+    wq = fake_quantize_groups(_grouped(w.float(), n, g), scheme)
+    return wq.reshape(out_f, n * g)[:, :in_f].to(w.dtype)
 
 
 def per_word(bits: int) -> int:

@@ -90,3 +90,15 @@ def test_nonfinite_activations_are_reported():
         model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         quantize_model(model, QuantizeConfig(method="gptq", group_size=32), _batches())
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_bf16_calibration_forward(method):
+    base = tiny_model("llama")
+    model = copy.deepcopy(base)
+    quantize_model(model, QuantizeConfig(method=method, group_size=32, calib_dtype="bfloat16", search_tokens=256),
+                   _batches())
+    ids = _batches(seed=1)[0]
+    with torch.no_grad():
+        ref, out = base(ids).logits, model(ids).logits
+    assert (out - ref).norm() / ref.norm() < 0.5

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 def quantized_dir(tmp_path_factory):
     """quantized_dir(family, bits, group, sym, act_order=False, hidden=64, fmt="int") -> saved folder."""
     from compress.quant import Scheme
-    from models import byte_tokenizer, quantize_model, save, tiny_model
+    from .models import byte_tokenizer, quantize_model, save, tiny_model
 
     cache: dict[tuple, Path] = {}
 

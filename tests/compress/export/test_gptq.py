@@ -73,7 +73,7 @@ def test_reference_unpacker_reproduces_our_weights(exported, family, bits, group
 
 def test_layers_outside_the_common_scheme_are_listed_in_dynamic(tmp_path):
     from compress.quant import Scheme
-    from models import quantize_model, save, tiny_model
+    from .models import quantize_model, save, tiny_model
 
     model = quantize_model(tiny_model("llama"), Scheme(4, 32))
     from compress.checkpoint import set_module
@@ -106,7 +106,7 @@ def test_refuses_what_v1_cannot_carry(quantized_dir, tmp_path, recipe, why):
 
 def test_refuses_zero_point_zero(tmp_path):
     from compress.quant import Scheme
-    from models import quantize_model, save, tiny_model
+    from .models import quantize_model, save, tiny_model
 
     model = quantize_model(tiny_model("llama"), Scheme(4, 32))
     model.model.layers[0].self_attn.q_proj.qzeros[3, 1] = 0

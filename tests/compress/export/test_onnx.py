@@ -56,7 +56,7 @@ def test_cache_steps_agree_with_one_full_pass(exported):
 
 
 def test_plain_hf_folder_exports(tmp_path):
-    from models import byte_tokenizer, tiny_model
+    from .models import byte_tokenizer, tiny_model
 
     model = tiny_model("gemma")
     model.save_pretrained(tmp_path / "fp")
@@ -79,7 +79,7 @@ def test_float16_export(exported):
 def test_unsupported_architecture_is_named(tmp_path):
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from models import byte_tokenizer
+    from .models import byte_tokenizer
 
     model = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=256))
     model.save_pretrained(tmp_path / "gpt2")

@@ -18,7 +18,7 @@ from compress.rtn import quantize_weight
 
 
 def _layer(k: int, n: int, scheme: Scheme, act_order: bool = False, seed: int = 0) -> QuantLinear:
-    from models import act_order_map
+    from .models import act_order_map
 
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen)
