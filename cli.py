@@ -47,12 +47,17 @@ def _mb(n: int) -> str:
 @click.option("--sym/--asym", default=None, help="Symmetric (no zero points) or asymmetric grid.")
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ: quantize columns by Hessian diagonal.")
 @click.option("--seed", type=int, default=None)
+@click.option("--kv-heads", type=int, default=None, help="Pool the KV heads down to N (GQA/MQA) before quantizing.")
+@click.option("--uptrain-steps", type=int, default=None, help="Distillation steps after --kv-heads (0: none).")
+@click.option("--steps", type=int, default=None, help="QAT: fine-tuning steps.")
+@click.option("--lr", type=float, default=None, help="QAT: learning rate of the weights.")
+@click.option("--init", "qat_init", type=click.Choice(["rtn", "awq"]), default=None, help="QAT: PTQ to start from.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
 @click.option("--allow-pickle", is_flag=True, help="Allow pickled .bin weights (they can run code when loaded).")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the summary as JSON.")
-def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size, sym, act_order, seed, overwrite,
-             trust_remote_code, allow_pickle, json_path):
+def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size, sym, act_order, seed, kv_heads,
+             uptrain_steps, steps, lr, qat_init, overwrite, trust_remote_code, allow_pickle, json_path):
     """Quantize MODEL with a recipe into a packed checkpoint folder."""
     from pathlib import Path
 
@@ -63,7 +68,8 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
     from compress.pipeline import quantize_to_folder
 
     cfg = load_recipe(recipe).replace(calib=calib, nsamples=nsamples, seqlen=seqlen, bits=bits, group_size=group_size,
-                                      sym=sym, act_order=act_order, seed=seed)
+                                      sym=sym, act_order=act_order, seed=seed, kv_heads=kv_heads,
+                                      uptrain_steps=uptrain_steps, steps=steps, lr=lr, init=qat_init)
     src = resolve(model_spec)
     out = out or str(Path("out") / f"{src.name}-{Path(recipe).stem}")
     s = cfg.scheme
@@ -76,11 +82,30 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
         bar.total = total
         bar.update(done - bar.n)
 
+    def train_progress(step: int, steps: int, loss: float) -> None:  # QAT / uptraining: the bar restarts per run
+        if step == 1:
+            bar.reset(total=steps)
+            bar.set_description("train")
+            bar.unit = "step"
+        bar.set_postfix(kl=f"{loss:.4f}")
+        bar.update(step - bar.n)
+
     try:
         res = quantize_to_folder(model_spec, cfg, out, overwrite, Path(recipe).stem, progress, trust_remote_code,
-                                 allow_pickle)
+                                 allow_pickle, train_progress)
     finally:
         bar.close()
+    notes = res.report.notes
+    if "gqa" in notes:
+        g = notes["gqa"]
+        click.echo(f"kv heads: {g['kv_heads_before']} -> {g['kv_heads_after']}, KV cache "
+                   f"{g['kv_bytes_per_token_before']:,} -> {g['kv_bytes_per_token_after']:,} bytes/token (fp16)"
+                   + (f", uptraining KL {g['uptrain_loss_first']:.4f} -> {g['uptrain_loss_last']:.4f}"
+                      if "uptrain_loss_first" in g else ""))
+    if "qat" in notes:
+        q = notes["qat"]
+        click.echo(f"qat: {q['steps']} steps from {q['init']}, KL {q['loss_first']:.4f} -> {q['loss_last']:.4f} "
+                   f"in {q['train_seconds']:.0f} s")
     click.echo(f"size: {_mb(res.fp_bytes)} (fp) -> {_mb(res.out_bytes)} ({res.fp_bytes / max(res.out_bytes, 1):.2f}x smaller)")
     click.echo(f"time: {res.seconds:.1f} s (quantization {res.report.seconds:.1f} s), peak memory {_mb(res.peak_rss_bytes)}")
     click.echo(f"wrote {res.out}")

@@ -5,7 +5,9 @@ Layout of a folder written by ``compress quantize``:
   ``{"quant_method": "compress", "version": 1, "packing": "int32-lsb-first-along-in",
   "method": ..., "bits", "group_size", "sym", "format", "act_order",
   "modules": {linear name: {"bits", "group_size", "sym", "format", "act_order"}},
-  "ignore": [fp linears], "ragged": {linear name: last group width}, "calibration": {...}}``.
+  "ignore": [fp linears], "ragged": {linear name: last group width}, "calibration": {...}}``, and for
+  mixture-of-experts models ``"moe": {experts module: {scheme, "num_experts", shapes, "rtn_fallback"}}``
+  (packed experts, see compress/moe_packed.py; routers stay fp).
   Every quantized linear is listed in ``modules``: per-layer exceptions are explicit, nothing is
   inferred from names or shapes.
 - ``model.safetensors``: fp tensors for everything else and, per quantized linear,
@@ -82,11 +84,15 @@ def build_quantization_config(model: nn.Module, method: str, scheme: Scheme, act
     ignore = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qmods)
     ragged = {n: m.in_features % m.scheme.group(m.in_features) for n, m in qmods.items()
               if m.in_features % m.scheme.group(m.in_features)}
+    from compress.moe import moe_entries
+
+    moe = moe_entries(model)  # packed MoE experts (compress/moe_packed.py), listed only when present
     return {
         "quant_method": "compress", "version": FORMAT_VERSION, "packing": PACKING, "method": method,
         **scheme.to_dict(), "act_order": act_order,
         "modules": {n: module_entry(m) for n, m in qmods.items()},
-        "ignore": ignore, "ragged": ragged, "calibration": calibration or {}, **(extra or {}),
+        "ignore": ignore, "ragged": ragged, "calibration": calibration or {}, **({"moe": moe} if moe else {}),
+        **(extra or {}),
     }
 
 
@@ -155,6 +161,10 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_r
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     swap_in_quant_linears(model, qc["modules"], dtype)
+    if qc.get("moe"):
+        from compress.moe import swap_in_packed_experts
+
+        swap_in_packed_experts(model, qc["moe"])
     state = load_file(str(path / "model.safetensors"))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()

@@ -20,6 +20,7 @@ from compress.quant import QuantizedWeight, Scheme
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
+TrainProgress = Callable[[int, int, float], None]  # (step, steps, loss) of QAT / uptraining
 
 
 @dataclass
@@ -27,6 +28,7 @@ class QuantizeReport:
     method: str
     seconds: float = 0.0
     layers: list[dict] = field(default_factory=list)  # one entry per quantized linear or AWQ smoothing
+    notes: dict = field(default_factory=dict)  # "gqa": KV heads and bytes/token, "qat": training losses
 
 
 def target_linears(block: nn.Module, ignore: tuple[str, ...], prefix: str = "") -> dict[str, nn.Linear]:
@@ -178,22 +180,69 @@ def _awq_block(cfg: QuantizeConfig, bmap: BlockMap, report: QuantizeReport):
     return per_block
 
 
+def _with_experts(per_block, layout, cfg: QuantizeConfig, report: QuantizeReport):
+    """After the block's linears, quantize its MoE experts on their routed tokens (compress/moe.py)."""
+    from compress import moe
+
+    def fn(i: int, block: nn.Module, inputs: BlockInputs) -> None:
+        per_block(i, block, inputs)
+        report.layers.extend(moe.quantize_block_experts(i, block, layout, cfg, inputs))
+    return fn
+
+
+def _convert_kv_heads(model: nn.Module, cfg: QuantizeConfig, batches, report: QuantizeReport,
+                      train_progress: TrainProgress | None) -> nn.Module | None:
+    """GQA conversion (+ uptraining); returns the original model when a later step distils from it."""
+    import copy
+    from dataclasses import asdict
+
+    from compress import gqa
+
+    teacher = copy.deepcopy(model) if cfg.uptrain_steps or cfg.method == "qat" else None
+    res = gqa.convert_and_uptrain(model, cfg.kv_heads, batches, cfg.uptrain_steps, cfg.uptrain_lr, teacher,
+                                  cfg.batch_size, cfg.train_dtype, cfg.seed, train_progress)
+    report.notes["gqa"] = {k: v for k, v in asdict(res).items() if k != "uptrain"}
+    if res.uptrain is not None:
+        report.notes["gqa"].update(uptrain_loss_first=res.uptrain.first, uptrain_loss_last=res.uptrain.last,
+                                   uptrain_seconds=res.uptrain.seconds)
+    return teacher
+
+
 def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] | None = None,
-                   progress: Progress | None = None) -> QuantizeReport:
-    """Quantize ``model`` in place with ``cfg``; ``batches`` of token ids are needed by gptq/awq."""
+                   progress: Progress | None = None, train_progress: TrainProgress | None = None) -> QuantizeReport:
+    """Quantize ``model`` in place with ``cfg``; ``batches`` of token ids are needed by gptq/awq/qat and
+    uptraining. With ``cfg.kv_heads`` the KV heads are pooled (and uptrained) first; MoE experts are
+    quantized per expert (compress/moe.py)."""
+    from compress import moe
+
     report = QuantizeReport(cfg.method)
     t0 = time.perf_counter()
-    if not cfg.needs_calibration:
-        quantize_data_free(model, cfg, report, progress)
-    else:
-        if not batches:
-            raise ValueError(f"method {cfg.method} needs calibration data; give --calib")
+    layout = moe.expert_layout(model, cfg)  # checks MoE options before any work
+    if cfg.needs_calibration and not batches:
+        raise ValueError(f"method {cfg.method}" + (" with uptrain_steps" if cfg.uptrain_steps else "")
+                         + " needs calibration data; give --calib (e.g. wiki)")
+    teacher = _convert_kv_heads(model, cfg, batches, report, train_progress) if cfg.kv_heads else None
+    if cfg.method == "qat":
+        from compress import qat
+
+        res = qat.quantize(model, cfg, batches, teacher, progress, train_progress)
+        report.notes["qat"] = {"init": res.init, "modules": res.modules, "steps": len(res.train.losses),
+                               "loss_first": res.train.first, "loss_last": res.train.last,
+                               "train_seconds": res.train.seconds}
+    elif cfg.method in ("gptq", "awq"):
         if cfg.method == "gptq":
             per_block = _gptq_block(cfg, report)
         else:
             per_block = _awq_block(cfg, block_map(model.config.model_type), report)
+        if layout is not None:
+            per_block = _with_experts(per_block, layout, cfg, report)
         autocast = torch.bfloat16 if cfg.calib_dtype == "bfloat16" else None
         run_sequential(model, batches, per_block, progress, autocast)
+    else:
+        quantize_data_free(model, cfg, report, progress)
+        if layout is not None:
+            for i, block in enumerate(decoder_layers(model)):
+                report.layers.extend(moe.quantize_block_experts(i, block, layout, cfg))
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -216,7 +265,8 @@ def _peak_rss() -> int:
 
 def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite: bool = False,
                        recipe: str | None = None, progress: Progress | None = None,
-                       trust_remote_code: bool = False, allow_pickle: bool = False) -> QuantizeSummary:
+                       trust_remote_code: bool = False, allow_pickle: bool = False,
+                       train_progress: TrainProgress | None = None) -> QuantizeSummary:
     """Load ``model_spec``, calibrate if the method needs it, quantize, and write ``out`` atomically."""
     from pathlib import Path
 
@@ -233,7 +283,7 @@ def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite
     if cfg.needs_calibration:
         ids = calibration_batches(tokenizer, cfg.calib, cfg.nsamples, cfg.seqlen, cfg.seed)
         batches = list(ids.split(cfg.batch_size))
-    report = quantize_model(model, cfg, batches, progress)
+    report = quantize_model(model, cfg, batches, progress, train_progress)
     calibration = ({"source": cfg.calib, "nsamples": cfg.nsamples, "seqlen": cfg.seqlen, "seed": cfg.seed}
                    if cfg.needs_calibration else {})
     qc = build_quantization_config(model, cfg.method, cfg.scheme, cfg.act_order and not cfg.static_groups,

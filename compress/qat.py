@@ -1,0 +1,212 @@
+"""Quantization-aware training (LSQ, Esser et al., 2020): every target linear computes its forward
+with fake-quantized weights ``(clamp(round(w / s) + z, 0, maxq) - z) * s``, rounding passed straight
+through (STE) so both the latent weights ``w`` and the group scales ``s`` learn. Scales are learned in
+log space (a step changes them by a relative amount, whatever their size) and always used rounded
+to fp16, the precision the checkpoint stores. Zeros stay fixed at their PTQ value unless
+``learn_zero`` (then they are rounded with an STE too).
+
+Training starts from a PTQ result (RTN, or AWQ's smoothed weights and clipped qparams) and distils
+the fp teacher's logits (compress/train.py). :func:`freeze` turns each fake-quantized linear into
+the same packed :class:`QuantLinear` as PTQ writes, whose dequantized weight equals the trained
+fake-quantized weight exactly.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from compress import quant
+from compress.qlinear import QuantLinear
+from compress.quant import MIN_SCALE, QuantizedWeight, Scheme, compute_qparams, group_index
+from compress.train import TrainConfig, TrainProgress, TrainResult, distill
+
+log = logging.getLogger(__name__)
+
+INIT_METHODS = ("rtn", "awq")
+
+
+def round_ste(x: Tensor) -> Tensor:
+    """``round(x)`` in the forward pass, identity in the backward pass (the value is exactly round(x))."""
+    return x + (torch.round(x) - x).detach()
+
+
+class FakeQuantLinear(nn.Module):
+    """A linear trained through its quantizer: latent fp32 weight, learnable log-scales [out, G],
+    fixed (or learnable) zeros [out, G]."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, scale: Tensor, zero: Tensor | None, scheme: Scheme,
+                 learn_zero: bool = False):
+        super().__init__()
+        if scheme.format != "int":
+            raise ValueError(f"QAT trains integer grids; format={scheme.format!r} is not supported (use bits/sym)")
+        self.scheme = scheme
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.weight = nn.Parameter(weight.detach().float().clone())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.log_scale = nn.Parameter(scale.detach().float().log())
+        if scheme.has_zeros:
+            z = zero.detach().float().clone()
+            self.zero = nn.Parameter(z) if learn_zero else nn.Buffer(z)
+        else:
+            self.zero = None
+        self.register_buffer("g_idx", group_index(self.in_features, scheme), persistent=False)
+
+    def qparams(self) -> tuple[Tensor, Tensor | float]:
+        """Scale [out, G] (fp32 holding fp16 values) and zero ([out, G] integral floats, or the symmetric constant)."""
+        s = self.log_scale.exp().clamp(min=MIN_SCALE)
+        s = s + (s.half().float() - s).detach()  # use exactly what the checkpoint will store
+        if self.zero is None:
+            return s, float(self.scheme.sym_zero)
+        z = self.zero
+        return s, z + (torch.round(z).clamp(0, self.scheme.maxq) - z).detach()
+
+    def fake_weight(self) -> Tensor:
+        """``[out, in]`` quantize-dequantize of the latent weight, differentiable by STE."""
+        s, z = self.qparams()
+        s = s.index_select(1, self.g_idx)  # [out, G] -> [out, in]
+        if isinstance(z, Tensor):
+            z = z.index_select(1, self.g_idx)
+        q = torch.clamp(round_ste(self.weight / s) + z, 0, self.scheme.maxq)  # same ops as quant.quantize
+        return (q - z) * s
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.fake_weight()
+        return nn.functional.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    @torch.no_grad()
+    def quantized_weight(self) -> QuantizedWeight:
+        scale = self.log_scale.exp().clamp(min=MIN_SCALE).half()
+        zero = None
+        if self.zero is not None:
+            zero = torch.round(self.zero).clamp(0, self.scheme.maxq).to(torch.uint8)
+        return QuantizedWeight(quant.quantize(self.weight, scale, zero, self.scheme), scale, zero, self.scheme)
+
+    def freeze(self) -> QuantLinear:
+        """The packed QuantLinear whose dequantized weight equals :meth:`fake_weight` exactly."""
+        return QuantLinear.from_quantized(self.quantized_weight(), self.bias, dtype=self.dtype)
+
+    def extra_repr(self) -> str:
+        s = self.scheme
+        return (f"in={self.in_features}, out={self.out_features}, bits={s.bits}, group={s.group_size}, "
+                f"sym={s.sym}, learn_zero={isinstance(self.zero, nn.Parameter)}")
+
+
+def _set(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
+def _targets(model: nn.Module, ignore: tuple[str, ...]) -> dict[str, nn.Linear]:
+    """Full names of the linears PTQ would quantize (the same selection as compress.pipeline)."""
+    from compress.calibrate import decoder_layers
+    from compress.pipeline import target_linears
+
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    out = {}
+    for i, block in enumerate(layers):
+        for name, lin in target_linears(block, ignore, f"{prefix}.{i}.").items():
+            out[f"{prefix}.{i}.{name}"] = lin
+    return out
+
+
+def init_rtn(model: nn.Module, scheme: Scheme, ignore: tuple[str, ...], learn_zero: bool = False
+             ) -> dict[str, FakeQuantLinear]:
+    """Wrap every target linear with RTN qparams: the initial fake-quantized model equals RTN exactly."""
+    fakes = {}
+    for name, lin in _targets(model, ignore).items():
+        scale, zero = compute_qparams(lin.weight.data, scheme)
+        fakes[name] = FakeQuantLinear(lin.weight.data, lin.bias, scale, zero, scheme, learn_zero)
+        _set(model, name, fakes[name])
+    return fakes
+
+
+def init_awq(model: nn.Module, cfg, batches: list[Tensor], progress=None) -> dict[str, FakeQuantLinear]:
+    """Run AWQ, then wrap each result: latent weight = AWQ's smoothed fp weight (clamped to the grid's
+    range), qparams = AWQ's clipped scales and zeros."""
+    from compress.pipeline import quantize_model
+
+    originals = _targets(model, cfg.ignore)  # AWQ scales these modules' weights in place, then swaps them out
+    quantize_model(model, cfg.replace(method="awq", kv_heads=0), batches, progress)
+    fakes, agree, total = {}, 0, 0
+    for name, lin in originals.items():
+        ql = model.get_submodule(name)
+        assert isinstance(ql, QuantLinear), f"AWQ left {name} unquantized"
+        qw = ql.quantized_weight()
+        s = qw.scale.float().index_select(1, group_index(lin.in_features, qw.scheme))
+        z = float(qw.scheme.sym_zero) if qw.zero is None else qw.zero.float().index_select(
+            1, group_index(lin.in_features, qw.scheme))
+        w = torch.clamp(lin.weight.data.float(), (0 - z) * s, (qw.scheme.maxq - z) * s)
+        fakes[name] = FakeQuantLinear(w.to(lin.weight.dtype), ql.bias, qw.scale, qw.zero, qw.scheme,
+                                      cfg.learn_zero)
+        agree += (fakes[name].quantized_weight().q == qw.q).sum().item()
+        total += qw.q.numel()
+        _set(model, name, fakes[name])
+    # guards the coupling with compress.pipeline's AWQ (smoothing in place): codes must (nearly) agree
+    if agree < 0.99 * total:
+        raise RuntimeError(f"AWQ init: only {agree / total:.1%} of codes match the AWQ result; "
+                           "compress.pipeline no longer scales the original linears in place")
+    return fakes
+
+
+def freeze(model: nn.Module) -> int:
+    """Replace every FakeQuantLinear by its packed QuantLinear; returns how many were frozen."""
+    names = [n for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)]
+    for n in names:
+        _set(model, n, model.get_submodule(n).freeze())
+    return len(names)
+
+
+@dataclass
+class QATResult:
+    train: TrainResult
+    modules: int
+    init: str
+
+
+def trainable_groups(fakes: dict[str, FakeQuantLinear], lr: float, scale_lr: float) -> list[dict]:
+    weights = [f.weight for f in fakes.values()]
+    qparams = [f.log_scale for f in fakes.values()] + [f.zero for f in fakes.values()
+                                                       if isinstance(f.zero, nn.Parameter)]
+    return [{"params": weights, "lr": lr}, {"params": qparams, "lr": scale_lr}]
+
+
+def quantize(model: nn.Module, cfg, batches: list[Tensor], teacher: nn.Module | None = None,
+             progress=None, train_progress: TrainProgress | None = None) -> QATResult:
+    """QAT of ``model`` in place with a :class:`compress.config.QuantizeConfig` (method qat): PTQ init,
+    distillation from ``teacher`` (default: a copy of ``model`` as given), then freeze to QuantLinears."""
+    if not batches:
+        raise ValueError("method qat needs calibration text to train on; give --calib (e.g. wiki)")
+    if cfg.scheme.format != "int":
+        raise ValueError(f"QAT trains integer grids; format {cfg.scheme.format!r} is not supported")
+    ids = torch.cat(list(batches))  # [n, seqlen]
+    if teacher is None:
+        teacher = copy.deepcopy(model)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    if cfg.init == "awq":
+        fakes = init_awq(model, cfg, batches, progress)
+    else:
+        fakes = init_rtn(model, cfg.scheme, cfg.ignore, cfg.learn_zero)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    groups = trainable_groups(fakes, cfg.lr, cfg.scale_lr)
+    for g in groups:
+        for p in g["params"]:
+            p.requires_grad_(True)
+    tcfg = TrainConfig(steps=cfg.steps, batch_size=cfg.batch_size, dtype=cfg.train_dtype, seed=cfg.seed)
+    log.info("QAT: %d linears from %s, %d steps on %d windows of %d tokens", len(fakes), cfg.init, cfg.steps,
+             ids.shape[0], ids.shape[1])
+    try:
+        result = distill(model, teacher, ids, [g for g in groups if g["params"]], tcfg, train_progress)
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    n = freeze(model)
+    log.info("QAT: loss %.4f -> %.4f in %.0f s; froze %d linears", result.first, result.last, result.seconds, n)
+    return QATResult(result, n, cfg.init)
