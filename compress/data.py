@@ -140,7 +140,8 @@ def _package_dir(package: str) -> Path:
 
 def cache_dir() -> Path:
     """Where cleaned data is cached: $COMPRESS_CACHE/data, else $XDG_CACHE_HOME (or ~/.cache)/compress/data."""
-    root = os.environ.get("COMPRESS_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "compress"
+    xdg = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    root = os.environ.get("COMPRESS_CACHE") or xdg / "compress"
     return Path(root) / "data"
 
 

@@ -48,17 +48,22 @@ def evaluate_model(spec: str, texts: dict[str, list[str]], tasks: list[str], lim
     for m in quantized_modules(model).values():
         m.cache_weight()  # dequantize once instead of on every forward
     size, label = model_size(src, model)
+    seconds = {"load": time.perf_counter() - start}
     ppl_detail = {}
     for name, t in texts.items():
+        tick = time.perf_counter()
         ppl_detail[name] = asdict(perplexity(model, tokenizer, t, seqlen=seqlen, max_windows=max_windows,
                                              batch_size=batch_size))
-        log.info("%s: ppl %s = %.3f", spec, name, ppl_detail[name]["ppl"])
+        seconds[f"ppl {name}"] = time.perf_counter() - tick
+        log.info("%s: ppl %s = %.3f (%.0f s)", spec, name, ppl_detail[name]["ppl"], seconds[f"ppl {name}"])
+    tick = time.perf_counter()
     accuracy = run_tasks(model, tokenizer, tasks, limit=limit, batch_size=batch_size) if tasks else {}
+    seconds["tasks"] = time.perf_counter() - tick
     del model
     gc.collect()
     return {"model": spec, "size_bytes": size, "size_label": label,
             "ppl": {k: v["ppl"] for k, v in ppl_detail.items()}, "ppl_detail": ppl_detail,
-            "accuracy": accuracy, "accuracy_avg": _average(accuracy), "seconds": time.perf_counter() - start}
+            "accuracy": accuracy, "accuracy_avg": _average(accuracy), "seconds": seconds}
 
 
 def _delta(base: dict, comp: dict) -> dict:
@@ -97,36 +102,40 @@ def _fmt(value: float | None, kind: str, delta: bool = False) -> str:
     return f"{value:{sign}.2f}"
 
 
+def _label(source: str) -> str:
+    return Path(source).name if source.endswith((".txt", ".jsonl")) else source
+
+
 def format_table(result: dict) -> str:
     """One side-by-side table: size, ppl per text, accuracy per task and average accuracy."""
     from eval.tasks import PRIMARY
 
     cols = [k for k in ("baseline", "compressed") if result.get(k)]
-    delta = result.get("delta")
-    comp = result["compressed"]
-    rows = [["", *cols, *(["delta"] if delta else [])], ["model", *(result[c]["model"] for c in cols), *([""] if delta else [])]]
+    delta, comp, settings = result.get("delta"), result["compressed"], result["settings"]
+    rows = [["", *(cols if delta else ["value"])] + (["delta"] if delta else [])]  # a lone model may be uncompressed
+
+    def add(label: str, get, kind: str) -> None:
+        change = [_fmt(get(delta), kind, True)] if delta else []
+        rows.append([label, *(_fmt(get(result[c]), kind) for c in cols), *change])
+
     marks = {c: "*" if result[c]["size_label"] == SIZE_GGUF else "" for c in cols}
-    rows.append(["size", *(_fmt(result[c]["size_bytes"], "size") + marks[c] for c in cols),
-                 *([f"x{delta['size_ratio']:.3f}"] if delta else [])])
+    rows.append(["model", *(result[c]["model"] for c in cols)] + ([""] if delta else []))
+    rows.append(["size", *(_fmt(result[c]["size_bytes"], "size") + marks[c] for c in cols)]
+                + ([f"x{delta['size_ratio']:.3f}"] if delta else []))
     for name in comp["ppl"]:
-        rows.append([f"ppl {Path(name).name if name.endswith(('.txt', '.jsonl')) else name}", *(_fmt(result[c]["ppl"][name], "ppl") for c in cols),
-                     *([_fmt(delta["ppl"][name], "ppl", True)] if delta else [])])
+        add(f"ppl {_label(name)}", lambda r: r["ppl"][name], "ppl")
     for task, metrics in comp["accuracy"].items():
-        for metric in sorted(metrics, key=lambda k: k != PRIMARY[task]):
-            if metric == "samples":
-                continue
-            kind = "ppl" if metric == "perplexity" else "acc"
-            rows.append([f"{task} {metric}", *(_fmt(result[c]["accuracy"][task][metric], kind) for c in cols),
-                         *([_fmt(delta["accuracy"][task][metric], kind, True)] if delta else [])])
+        for metric in sorted((m for m in metrics if m != "samples"), key=lambda k: k != PRIMARY[task]):
+            add(f"{task} {metric}", lambda r: r["accuracy"][task][metric], "ppl" if metric == "perplexity" else "acc")
     if comp["accuracy"]:
-        rows.append(["avg accuracy", *(_fmt(result[c]["accuracy_avg"], "acc") for c in cols),
-                     *([_fmt(delta["accuracy_avg"], "acc", True)] if delta else [])])
+        add("avg accuracy", lambda r: r["accuracy_avg"], "acc")
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    notes = [f"size: {SIZE_ON_DISK}"] + ([f"* {SIZE_GGUF}"] if any(marks.values()) else [])
-    notes.append(f"ppl: eval split, windows of {result['settings']['seqlen']} tokens; accuracy in %")
-    if comp["accuracy"] and result["settings"]["limit"]:
-        notes.append(f"tasks: first {result['settings']['limit']} documents each")
+    notes = [f"size: {SIZE_ON_DISK}"] if not all(marks.values()) else []
+    notes += [f"* {SIZE_GGUF}"] if any(marks.values()) else []
+    notes.append(f"ppl: eval split, windows of {settings['seqlen']} tokens; accuracy in %")
+    if comp["accuracy"] and settings["limit"]:
+        notes.append(f"tasks: first {settings['limit']} documents each")
     return "\n".join(lines + [""] + notes)

@@ -153,7 +153,8 @@ def _metrics(result: dict) -> dict[str, float]:
     return out
 
 
-def run_tasks(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 8) -> dict[str, dict[str, float]]:
+def run_tasks(model, tokenizer, tasks: list[str], limit: int | None = None,
+              batch_size: int = 8) -> dict[str, dict[str, float]]:
     """Zero-shot lm-eval metrics per task (``limit`` = first N documents of each), e.g. {"piqa": {"acc": ...}}."""
     check_tasks(tasks)
     if limit is not None and limit < 1:

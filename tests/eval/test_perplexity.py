@@ -76,3 +76,13 @@ def test_too_little_text_is_a_clear_error(make_lm, char_tokenizer):
         perplexity(make_lm("llama"), char_tokenizer, ["short"], seqlen=4096)
     with pytest.raises(ValueError, match="seqlen=1"):
         perplexity(make_lm("llama"), char_tokenizer, TEXT, seqlen=1)
+
+
+@pytest.mark.slow
+def test_real_smollm2_held_out_wiki_is_in_the_expected_range():
+    from compress.data import load_texts
+    from compress.models import load_model
+
+    model, tok, _ = load_model("smollm2-135m")
+    r = perplexity(model, tok, load_texts("wiki", "eval"), seqlen=512, max_windows=4)
+    assert r.windows == 4 and 10 < r.ppl < 40  # the full 64-window protocol gives ~20.9

@@ -34,7 +34,8 @@ def test_evaluate_baseline_vs_compressed(folders, text_file):
         assert side["accuracy"]["piqa"]["samples"] == 2
     assert comp["size_bytes"] < base["size_bytes"]
     assert delta["ppl"][src] == pytest.approx(comp["ppl"][src] - base["ppl"][src])
-    assert delta["accuracy"]["piqa"]["acc"] == pytest.approx(comp["accuracy"]["piqa"]["acc"] - base["accuracy"]["piqa"]["acc"])
+    acc = {side: r[side]["accuracy"]["piqa"]["acc"] for side in ("baseline", "compressed")}
+    assert delta["accuracy"]["piqa"]["acc"] == pytest.approx(acc["compressed"] - acc["baseline"])
     table = format_table(r)
     for row in ("size", f"ppl {text_file.name}", "piqa acc_norm", "piqa acc", "avg accuracy"):
         assert row in table
