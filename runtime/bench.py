@@ -203,7 +203,7 @@ def run_engine(engine, requests: list[Request], concurrency: int, static: bool, 
 def _engine_classes():
     from runtime.config import EngineConfig
     from runtime.engine import Engine
-    from runtime.sampler import SamplingParams
+    from runtime.sequence import SamplingParams
 
     return Engine, EngineConfig, SamplingParams
 

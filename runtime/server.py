@@ -94,7 +94,7 @@ def _context_limit(engine) -> int | None:
 
 
 def _sampling_params_cls():
-    from runtime.sampler import SamplingParams  # the engine's own; imported late to keep startup light
+    from runtime.sequence import SamplingParams  # the engine's own; imported late to keep startup light
 
     return SamplingParams
 
@@ -154,19 +154,25 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         except ValueError as e:  # e.g. the prompt is longer than max_model_len
             raise APIError(400, str(e), param=param) from None
 
+    async def next_or_disconnect(rid: str, queue: asyncio.Queue, request: Request):
+        """The next item of ``queue``, checking every half second that the client is still there."""
+        get = asyncio.ensure_future(queue.get())
+        try:
+            while not (await asyncio.wait({get}, timeout=0.5))[0]:
+                if await request.is_disconnected():
+                    loop_runner.abort(rid)
+                    raise APIError(499, "client disconnected")
+            return get.result()
+        finally:
+            get.cancel()  # no-op once done
+
     async def outputs(rid: str, queue: asyncio.Queue, request: Request | None) -> AsyncIterator:
         """The request's StepOutputs until it finishes; polls for a vanished client when not streaming."""
         while True:
-            get = asyncio.ensure_future(queue.get())
-            while True:
-                done, _ = await asyncio.wait({get}, timeout=0.5)
-                if done:
-                    break
-                if request is not None and await request.is_disconnected():
-                    get.cancel()
-                    loop_runner.abort(rid)
-                    raise APIError(499, "client disconnected")
-            item = get.result()
+            if request is None:  # streaming: the response itself notices a disconnect and cancels us
+                item = await queue.get()
+            else:
+                item = await next_or_disconnect(rid, queue, request)
             if isinstance(item, BaseException):
                 raise APIError(500, f"the engine failed: {item}", type="server_error")
             yield item
@@ -217,6 +223,8 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
+        if isinstance(req.prompt, list) and not all(0 <= t < len(engine.tokenizer) for t in req.prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {len(engine.tokenizer)})", param="prompt")
         rid = new_id("cmpl")
         queue = submit(req.prompt, req.sampling_kwargs(req.max_tokens or DEFAULT_COMPLETION_TOKENS), rid, "prompt")
         if req.stream:
