@@ -31,12 +31,11 @@ class PackedLinears(nn.Module):
         E, words, G = num_experts, -(-in_features // per_word(scheme.bits)), scheme.n_groups(in_features)
         self.register_buffer("qweight", torch.zeros(E, out_features, words, dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.ones(E, out_features, G, dtype=torch.float16, device=device))
-        self.qzeros = None
-        if scheme.has_zeros:
-            self.register_buffer("qzeros", torch.zeros(E, out_features, G, dtype=torch.uint8, device=device))
-        self.g_idx = None
-        if act_order:
-            self.register_buffer("g_idx", torch.zeros(E, in_features, dtype=torch.int32, device=device))
+        # absent buffers are registered as None so the attributes always exist
+        self.register_buffer("qzeros", torch.zeros(E, out_features, G, dtype=torch.uint8, device=device)
+                             if scheme.has_zeros else None)
+        self.register_buffer("g_idx", torch.zeros(E, in_features, dtype=torch.int32, device=device)
+                             if act_order else None)
         self._cache: Tensor | None = None
 
     @classmethod

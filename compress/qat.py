@@ -128,7 +128,7 @@ def init_rtn(model: nn.Module, scheme: Scheme, ignore: tuple[str, ...], learn_ze
 
 def init_awq(model: nn.Module, cfg, batches: list[Tensor], progress=None) -> dict[str, FakeQuantLinear]:
     """Run AWQ, then wrap each result: latent weight = AWQ's smoothed fp weight (clamped to the grid's
-    range), qparams = AWQ's clipped scales and zeros."""
+    range), qparams = AWQ's clipped scales and zeros; the initial fake-quantized model equals AWQ's."""
     from compress.pipeline import quantize_model
 
     originals = _targets(model, cfg.ignore)  # AWQ scales these modules' weights in place, then swaps them out
@@ -142,12 +142,15 @@ def init_awq(model: nn.Module, cfg, batches: list[Tensor], progress=None) -> dic
         z = float(qw.scheme.sym_zero) if qw.zero is None else qw.zero.float().index_select(
             1, group_index(lin.in_features, qw.scheme))
         w = torch.clamp(lin.weight.data.float(), (0 - z) * s, (qw.scheme.maxq - z) * s)
-        fakes[name] = FakeQuantLinear(w.to(lin.weight.dtype), ql.bias, qw.scale, qw.zero, qw.scheme,
-                                      cfg.learn_zero)
-        agree += (fakes[name].quantized_weight().q == qw.q).sum().item()
+        f = FakeQuantLinear(w, ql.bias, qw.scale, qw.zero, qw.scheme, cfg.learn_zero)
+        differ = f.quantized_weight().q != qw.q  # weights AWQ clipped just inside the grid's edge
+        agree += qw.q.numel() - differ.sum().item()
         total += qw.q.numel()
-        _set(model, name, fakes[name])
-    # guards the coupling with compress.pipeline's AWQ (smoothing in place): codes must (nearly) agree
+        with torch.no_grad():  # put those on AWQ's grid point, so training starts from AWQ exactly
+            f.weight.copy_(torch.where(differ, qw.dequantize(), f.weight))
+        fakes[name] = f
+        _set(model, name, f)
+    # guards the coupling with compress.pipeline's AWQ (smoothing in place): codes must nearly agree
     if agree < 0.99 * total:
         raise RuntimeError(f"AWQ init: only {agree / total:.1%} of codes match the AWQ result; "
                            "compress.pipeline no longer scales the original linears in place")

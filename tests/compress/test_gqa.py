@@ -1,0 +1,168 @@
+import copy
+
+import pytest
+import torch
+from tiny_models import tiny_config
+
+from compress import gqa
+from compress.checkpoint import build_quantization_config, load_quantized, save_quantized
+from compress.config import QuantizeConfig
+from compress.pipeline import quantize_model
+from compress.qlinear import QuantLinear
+from compress.train import evaluate_kl
+
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
+
+
+def _model(family, heads=8, kv=8, seed=0):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family)
+    cfg.num_attention_heads, cfg.num_key_value_heads = heads, kv
+    if family == "qwen3":
+        cfg.head_dim = 16
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _ids(n=2, seqlen=16, seed=1):
+    return torch.randint(0, 256, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def _batches(n=8, seqlen=32, seed=0):
+    return list(_ids(n, seqlen, seed).split(4))
+
+
+def test_pool_heads_is_the_mean_over_the_heads_each_group_read():
+    w = torch.arange(3 * 2 * 5, dtype=torch.float32).reshape(3 * 2, 5)  # 3 KV heads of width 2
+    heads = w.reshape(3, 2, 5)
+    # 6 query heads read old heads 0,0,1,1,2,2; as 3 -> 1 every old head counts once
+    assert torch.allclose(gqa.pool_heads(w, 6, 3, 1), heads.mean(0))
+    # 3 -> 2 (2 divides 6, not 3): new head 0 serves queries 0..2 -> old heads 0,0,1
+    out = gqa.pool_heads(w, 6, 3, 2).reshape(2, 2, 5)
+    assert torch.allclose(out[0], (2 * heads[0] + heads[1]) / 3)
+    assert torch.allclose(out[1], (heads[1] + 2 * heads[2]) / 3)
+    bias = torch.arange(6, dtype=torch.float32)
+    assert torch.allclose(gqa.pool_heads(bias, 6, 3, 1), bias.reshape(3, 2).mean(0))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pooling_identical_heads_keeps_the_output(family):
+    model = _model(family, heads=8, kv=8)
+    with torch.no_grad():  # make the KV heads identical within each future group of 4
+        for layer in model.model.layers:
+            for lin in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                d = lin.out_features // 8
+                w = lin.weight.reshape(8, d, -1)
+                w.copy_(w[[0, 0, 0, 0, 4, 4, 4, 4]])
+                if lin.bias is not None:
+                    b = lin.bias.reshape(8, d)
+                    b.copy_(b[[0, 0, 0, 0, 4, 4, 4, 4]])
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+        gqa.convert(model, 2)
+        out = model(ids).logits
+    assert model.config.num_key_value_heads == 2
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen2", "mistral"))
+@pytest.mark.parametrize("heads,kv,new", [(8, 8, 4), (8, 4, 2), (8, 8, 1)], ids=["mha-gqa", "gqa-fewer", "mha-mqa"])
+def test_conversion_saves_and_loads_in_transformers(family, heads, kv, new, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = _model(family, heads, kv)
+    before = gqa.kv_cache_bytes_per_token(model.config)
+    rep = gqa.convert(model, new)
+    hd = gqa.head_dim(model.config)
+    assert (rep.kv_heads_before, rep.kv_heads_after) == (kv, new)
+    assert rep.kv_bytes_per_token_before == before == 2 * 2 * kv * hd * 2
+    assert rep.kv_bytes_per_token_after == 2 * 2 * new * hd * 2
+    for layer in model.model.layers:
+        assert layer.self_attn.k_proj.out_features == layer.self_attn.v_proj.out_features == new * hd
+        assert layer.self_attn.num_key_value_groups == heads // new
+    ids = _ids()
+    with torch.no_grad():
+        out = model(ids).logits
+    assert torch.isfinite(out).all()
+    model.save_pretrained(tmp_path / "m")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert again.config.num_key_value_heads == new
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, out)
+
+
+def test_qwen3_k_norm_is_per_head_dim_and_stays():
+    model = _model("qwen3", 8, 8)
+    k_norm = model.model.layers[0].self_attn.k_norm.weight.clone()
+    gqa.convert(model, 2)
+    assert torch.equal(model.model.layers[0].self_attn.k_norm.weight, k_norm)
+    assert k_norm.shape == (16,)
+
+
+@pytest.mark.parametrize("kv_heads,msg", [
+    (3, r"--kv-heads 3 does not divide the 8 query heads; allowed for this model: \[1, 2, 4\]"),
+    (8, r"--kv-heads 8 exceeds the current 4 KV heads; allowed for this model: \[1, 2, 4\]"),
+    (0, r"--kv-heads 0 must be >= 1"),
+])
+def test_invalid_kv_heads_name_the_value_and_the_allowed_ones(kv_heads, msg):
+    model = _model("llama", 8, 4)
+    with pytest.raises(ValueError, match=msg):
+        gqa.convert(model, kv_heads)
+    assert model.config.num_key_value_heads == 4  # nothing changed
+
+
+def test_invalid_kv_heads_fail_before_quantizing():
+    model = _model("llama", 8, 4)
+    with pytest.raises(ValueError, match="--kv-heads 3"):
+        quantize_model(model, QuantizeConfig(method="rtn", kv_heads=3))
+    assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
+    with pytest.raises(ValueError, match="kv_heads=-1"):
+        QuantizeConfig(kv_heads=-1)
+    with pytest.raises(ValueError, match="set kv_heads too"):
+        QuantizeConfig(uptrain_steps=5)
+
+
+def test_model_type_without_attention_layout_is_a_clear_error():
+    model = _model("llama", 8, 4)
+    model.config.model_type = "olmoe"
+    with pytest.raises(ValueError, match="'olmoe' has no attention layout"):
+        gqa.convert(model, 2)
+
+
+def test_uptraining_recovers_part_of_the_conversion_loss():
+    base = _model("llama", 8, 8)
+    converted = copy.deepcopy(base)
+    gqa.convert(converted, 1)
+    up = copy.deepcopy(base)
+    rep = gqa.convert_and_uptrain(up, 1, _batches(n=16), steps=20, lr=1e-3, dtype="float32")
+    assert rep.uptrain is not None and len(rep.uptrain.losses) == 20
+    held = _ids(8, 32, seed=7)
+    assert evaluate_kl(up, base, held) < 0.8 * evaluate_kl(converted, base, held)
+    assert not any(p.requires_grad for p in up.parameters())
+    with pytest.raises(ValueError, match="calibration text"):
+        gqa.convert_and_uptrain(copy.deepcopy(base), 1, None, steps=5)
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_conversion_composes_with_quantization(method, tmp_path):
+    model = _model("qwen2", 8, 4)
+    cfg = QuantizeConfig(method=method, bits=4, group_size=32, kv_heads=2, uptrain_steps=3, train_dtype="float32")
+    report = quantize_model(model, cfg, _batches())
+    notes = report.notes["gqa"]
+    assert (notes["kv_heads_before"], notes["kv_heads_after"]) == (4, 2)
+    assert notes["kv_bytes_per_token_after"] * 2 == notes["kv_bytes_per_token_before"]
+    k = model.model.layers[0].self_attn.k_proj
+    assert isinstance(k, QuantLinear) and k.out_features == 2 * gqa.head_dim(model.config)
+    save_quantized(model, None, tmp_path / "q", build_quantization_config(model, method, cfg.scheme))
+    again = load_quantized(tmp_path / "q")
+    assert again.config.num_key_value_heads == 2
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)

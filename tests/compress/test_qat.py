@@ -1,0 +1,162 @@
+import copy
+
+import pytest
+import torch
+from tiny_models import FAMILIES, tiny_model
+
+from compress import qat
+from compress.checkpoint import build_quantization_config, load_quantized, quantized_modules, save_quantized
+from compress.config import QuantizeConfig
+from compress.pipeline import quantize_model
+from compress.qlinear import QuantLinear
+from compress.quant import Scheme, compute_qparams, dequantize, quantize
+from compress.train import cosine_factor, evaluate_kl
+
+
+def _batches(vocab=256, n=8, seqlen=32, seed=0, batch=4):
+    g = torch.Generator().manual_seed(seed)
+    return list(torch.randint(0, vocab, (n, seqlen), generator=g).split(batch))
+
+
+def _fake(out_f=16, in_f=80, scheme=Scheme(4, 32), learn_zero=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g) * 0.05
+    scale, zero = compute_qparams(w, scheme)
+    return qat.FakeQuantLinear(w, torch.randn(out_f, generator=g), scale, zero, scheme, learn_zero)
+
+
+def test_round_ste_is_round_forward_and_identity_backward():
+    x = torch.linspace(-3, 3, 41, requires_grad=True)
+    y = qat.round_ste(x)
+    assert torch.equal(y, torch.round(x.detach()))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("learn_zero", [False, True])
+def test_ste_gradients_reach_weights_scales_and_zeros(learn_zero):
+    f = _fake(learn_zero=learn_zero)
+    with torch.no_grad():  # shrink some scales so a few weights fall outside the grid and clamp
+        f.log_scale[:, 0] -= 1.0
+    x = torch.randn(8, 80)
+    f(x).pow(2).sum().backward()
+    assert f.weight.grad is not None and f.weight.grad.abs().sum() > 0
+    assert f.log_scale.grad is not None and f.log_scale.grad.abs().sum() > 0
+    clamped = (f.weight.grad == 0).any()  # weights outside the grid get no STE gradient
+    assert clamped
+    if learn_zero:
+        assert f.zero.grad is not None and f.zero.grad.abs().sum() > 0
+    else:
+        assert not isinstance(f.zero, torch.nn.Parameter)
+
+
+@pytest.mark.parametrize("scheme", [Scheme(4, 32), Scheme(4, 32, sym=True), Scheme(3, 64), Scheme(8, -1, sym=True)],
+                         ids=str)
+def test_initial_fake_weight_is_rtn_exactly(scheme):
+    f = _fake(scheme=scheme)
+    w = f.weight.detach()
+    scale, zero = compute_qparams(w, scheme)
+    rtn = dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme)
+    assert torch.equal(f.fake_weight().detach(), rtn)
+
+
+@pytest.mark.parametrize("scheme", [Scheme(4, 32), Scheme(4, 32, sym=True), Scheme(2, 64)], ids=str)
+def test_frozen_quantlinear_equals_trained_fake_weight_exactly(scheme):
+    f = _fake(scheme=scheme, learn_zero=True)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # stand-in for training: move weights, scales and zeros off their init
+        f.weight.add_(torch.randn(f.weight.shape, generator=g) * 0.01)
+        f.log_scale.add_(torch.randn(f.log_scale.shape, generator=g) * 0.2)
+        if f.zero is not None:
+            f.zero.add_(torch.randn(f.zero.shape, generator=g) * 0.7)
+    ql = f.freeze()
+    assert isinstance(ql, QuantLinear)
+    assert torch.equal(ql.dequantized_weight(torch.float32), f.fake_weight().detach())
+    x = torch.randn(5, 80)
+    with torch.no_grad():
+        assert torch.equal(ql(x), f(x))
+
+
+def test_cosine_schedule_warms_up_then_decays_to_zero():
+    f = [cosine_factor(s, 100, 0.1) for s in range(100)]
+    assert f[0] < f[5] < f[9] <= 1.0
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert f[-1] < 0.01
+
+
+def test_qat_lowers_the_loss_and_reloads_identically(tmp_path):
+    base = tiny_model("llama")
+    held = torch.cat(_batches(n=8, seed=5))
+    rtn = copy.deepcopy(base)
+    quantize_model(rtn, QuantizeConfig(method="rtn", bits=3, group_size=32))
+    model = copy.deepcopy(base)
+    seen = []
+    cfg = QuantizeConfig(method="qat", bits=3, group_size=32, steps=25, lr=1e-4, scale_lr=1e-2, batch_size=4,
+                         train_dtype="float32")
+    report = quantize_model(model, cfg, _batches(n=16), train_progress=lambda *a: seen.append(a))
+    assert [s[:2] for s in seen] == [(i, 25) for i in range(1, 26)] and all(s[2] >= 0 for s in seen)
+    assert report.notes["qat"]["modules"] == 14
+    assert evaluate_kl(model, base, held) < 0.8 * evaluate_kl(rtn, base, held)
+    assert not any(isinstance(m, qat.FakeQuantLinear) for m in model.modules())
+    qc = build_quantization_config(model, cfg.method, cfg.scheme)
+    save_quantized(model, None, tmp_path / "q", qc)
+    again = load_quantized(tmp_path / "q")
+    ids = held[:2]
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_qat_on_every_family_gives_the_ptq_checkpoint_format(family, tmp_path):
+    model = tiny_model(family)
+    cfg = QuantizeConfig(method="qat", bits=4, group_size=32, steps=2, batch_size=4, train_dtype="float32")
+    quantize_model(model, cfg, _batches(n=4))
+    qmods = quantized_modules(model)
+    assert len(qmods) == 7 * model.config.num_hidden_layers
+    assert not any(p.requires_grad for p in model.parameters())
+    save_quantized(model, None, tmp_path / "q", build_quantization_config(model, "qat", cfg.scheme))
+    again = load_quantized(tmp_path / "q")
+    ids = _batches(seed=3)[0]
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_awq_init_starts_from_the_awq_result():
+    base = tiny_model("llama")
+    with torch.no_grad():
+        for layer in base.model.layers:
+            layer.input_layernorm.weight[:4] *= 20
+    batches = _batches(n=4)
+    awq_cfg = QuantizeConfig(method="awq", bits=4, group_size=32, search_tokens=128, grid=8)
+    awq_model = copy.deepcopy(base)
+    quantize_model(awq_model, awq_cfg, batches)
+    model = copy.deepcopy(base)
+    fakes = qat.init_awq(model, awq_cfg.replace(method="qat", init="awq"), batches)
+    assert len(fakes) == 14
+    ids = _batches(seed=4)[0]
+    with torch.no_grad():
+        ref, ours = awq_model(ids).logits, model(ids).logits
+    assert torch.equal(ours, ref)
+    for name, f in fakes.items():
+        assert torch.equal(f.quantized_weight().q, awq_model.get_submodule(name).codes())
+    # the latent weights are AWQ's smoothed ones (the norm was divided, the columns multiplied)
+    q = model.model.layers[0].self_attn.q_proj
+    assert not torch.allclose(q.weight, base.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_qat_without_calibration_data_is_a_clear_error():
+    with pytest.raises(ValueError, match="needs calibration data"):
+        quantize_model(tiny_model("llama"), QuantizeConfig(method="qat", steps=2), None)
+    with pytest.raises(ValueError, match="calibration text"):
+        qat.quantize(tiny_model("llama"), QuantizeConfig(method="qat", steps=2), [])
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("init", "gptq", "init='gptq' is unknown"),
+    ("steps", 0, "steps=0"),
+    ("lr", 0.0, "lr=0.0"),
+    ("train_dtype", "float16", "train_dtype='float16'"),
+])
+def test_bad_qat_options(field, value, msg):
+    with pytest.raises(ValueError, match=msg):
+        QuantizeConfig(method="qat", **{field: value})
