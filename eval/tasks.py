@@ -111,9 +111,9 @@ TASKS: dict[str, dict] = {
     "lambada": {"output_type": "loglikelihood", "doc_to_text": _context, "doc_to_target": _continuation,
                 "metric_list": [PPL, ACC]},
 }
-# the metric a table reports per task: length-normalized accuracy where lm-eval reports it, else accuracy
 # task -> lm-eval's process_docs, applied once when the documents are loaded
 PREPARE = {"hellaswag": _hellaswag_docs}
+# the metric a table reports per task: length-normalized accuracy where lm-eval reports it, else accuracy
 PRIMARY = {"hellaswag": "acc_norm", "piqa": "acc_norm", "arc_easy": "acc_norm", "arc_challenge": "acc_norm",
            "winogrande": "acc", "boolq": "acc", "lambada": "acc"}
 
@@ -164,6 +164,7 @@ def run_tasks(model, tokenizer, tasks: list[str], limit: int | None = None,
     from lm_eval.tasks import TaskManager
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    # bootstrap_iters=0: no stderr estimates (lm-eval would bootstrap the lambada perplexity in a process pool)
     out = simple_evaluate(model=lm, tasks=[build_task(t) for t in tasks], limit=limit, bootstrap_iters=0,
                           log_samples=False, task_manager=TaskManager(include_defaults=False))
     metrics = {}
