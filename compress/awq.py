@@ -22,24 +22,37 @@ class ScaleResult:
     base_loss: float  # output MSE of plain RTN (ratio 0)
 
 
+def weight_mean(weights: list[Tensor], scheme: Scheme) -> Tensor:
+    """Mean over output rows of each input channel's |w| relative to its group's max: [in]."""
+    w = torch.cat([x.float() for x in weights])
+    wg = _grouped(w.abs(), scheme)  # [rows, G, g]
+    wg = wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-8)
+    return wg.reshape(w.shape[0], -1)[:, :w.shape[1]].mean(dim=0)
+
+
 @torch.inference_mode()
 def search_scale(x_mean: Tensor, weights: list[Tensor], scheme: Scheme,
-                 forward: Callable[[list[Tensor]], Tensor], reference: Tensor, grid: int = 20) -> ScaleResult:
-    """Grid over ``s = x_mean ** ratio`` (ratio in [0, 1)), minimising the MSE of ``forward`` with
-    fake-quantized scaled weights against ``reference`` (the fp output)."""
+                 forward: Callable[[list[Tensor]], Tensor], reference: Tensor, grid: int = 20,
+                 duo: bool = True) -> ScaleResult:
+    """Grid over ``s = x_mean ** r`` (and, with ``duo``, ``x_mean ** r / w_mean ** (1 - r)``) for r in
+    [0, 1), minimising the MSE of ``forward`` with fake-quantized scaled weights against ``reference``."""
     x_mean = x_mean.float().clamp(min=1e-4)
+    w_mean = weight_mean(weights, scheme).clamp(min=1e-4) if duo else None
     best = None
     base = None
     for k in range(grid):
         ratio = k / grid
-        s = x_mean.pow(ratio)
-        s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1
-        ws = [fake_quantize(w.float() * s, scheme) / s for w in weights]
-        loss = F.mse_loss(forward(ws).float(), reference.float()).item()
-        if k == 0:
-            base = loss
-        if best is None or loss < best[0]:
-            best = (loss, ratio, s)
+        candidates = [x_mean.pow(ratio)]
+        if w_mean is not None and k > 0:
+            candidates.append(x_mean.pow(ratio) / w_mean.pow(1 - ratio))
+        for s in candidates:
+            s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1
+            ws = [fake_quantize(w.float() * s, scheme) / s for w in weights]
+            loss = F.mse_loss(forward(ws).float(), reference.float()).item()
+            if base is None:
+                base = loss
+            if best is None or loss < best[0]:
+                best = (loss, ratio, s)
     loss, ratio, s = best
     return ScaleResult(s, ratio, loss, base)
 

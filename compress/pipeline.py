@@ -163,7 +163,7 @@ def _awq_block(cfg: QuantizeConfig, bmap: BlockMap, report: QuantizeReport):
             with torch.inference_mode():
                 ref = forward([m.weight.data.float() for m in mods])
             res = awq.search_scale(sampler.x_mean(sm.linears[0]), [m.weight.data for m in mods], scheme, forward,
-                                   ref, cfg.grid)
+                                   ref, cfg.grid, cfg.duo_scaling)
             s = res.scales
             _scale_prev(prev, s, bmap.norm_offset)
             for n, m in zip(sm.linears, mods):
@@ -258,9 +258,14 @@ class QuantizeSummary:
 
 
 def _peak_rss() -> int:
+    """Peak resident memory of this process image (VmHWM: unlike ru_maxrss, not inherited across exec)."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS
 
 
 def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite: bool = False,
