@@ -1,0 +1,84 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+QUANT_KERNELS = ("auto", "packed", "dequant")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the requests.
+
+    ``model``/``draft`` are model specs for ``compress.models.resolve`` (a name such as
+    ``"smollm2-135m"``, an HF folder, a .gguf file, or a folder written by ``compress quantize``).
+    ``draft="ngram"`` turns on prompt-lookup speculation (no second model).
+    ``num_kv_blocks=None`` sizes the paged KV pool from ``kv_cache_memory`` bytes.
+    ``max_model_len=None`` takes the model's context length, capped by the KV pool.
+    ``quant_kernel`` picks the matmul for quantized linears: ``"packed"`` runs torch's int4/int8
+    packed kernels (bf16 activations inside), ``"dequant"`` dequantizes each weight once to
+    ``dtype`` (exactly what ``QuantLinear.forward`` computes), ``"auto"`` is ``"packed"`` for
+    bf16/fp16 engines and ``"dequant"`` for float32 ones.
+    """
+
+    model: str
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    draft: str | None = None
+    num_speculative_tokens: int = 4
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    quant_kernel: str = "auto"
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model={self.model!r} is empty; give a model name or folder")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size={self.block_size} is out of range; use 1..1024 (16 is typical)")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1, or None to size it from kv_cache_memory")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} bytes must be positive")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2, or None for the model's own")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {DTYPES}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda[:N]'")
+        if self.draft is not None and not self.draft:
+            raise ValueError("draft='' is empty; use None (no speculation), 'ngram', or a draft model spec")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} is out of range; use 1..16")
+        if self.quant_kernel not in QUANT_KERNELS:
+            raise ValueError(f"quant_kernel={self.quant_kernel!r} is unknown; use one of {QUANT_KERNELS}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max={self.prompt_lookup_max}: "
+                             "need 1 <= min <= max")
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft is not None
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots reserved past the last token of a decoding sequence (the drafted tokens)."""
+        return self.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def resolved_quant_kernel(self) -> str:
+        if self.quant_kernel != "auto":
+            return self.quant_kernel
+        return "dequant" if self.dtype == "float32" else "packed"
