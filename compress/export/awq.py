@@ -17,9 +17,8 @@ import torch
 
 from compress.export.common import (Source, export_config, fp_linear_names, fp_tensors, is_ragged, save_safetensors,
                                     write_side_files, zeros_of)
-from compress.export.packing import awq_interleave
+from compress.export.packing import awq_interleave, dense_pack
 from compress.qlinear import QuantLinear
-from compress.quant import pack
 
 
 def check(m: QuantLinear) -> str | None:
@@ -39,7 +38,7 @@ def check(m: QuantLinear) -> str | None:
 
 def _pack_along_out(x: torch.Tensor) -> torch.Tensor:
     """[rows, out] codes -> int32 [rows, out / 8] in AWQ's nibble order."""
-    return pack(awq_interleave(x), 4)
+    return dense_pack(awq_interleave(x), 4)
 
 
 def layer_tensors(name: str, m: QuantLinear) -> dict[str, torch.Tensor]:

@@ -99,15 +99,15 @@ class OnnxCausalLM:
         """Greedy decoding with the cache; rows that produced an EOS keep emitting it. Returns prompt + new."""
         ids = np.asarray(input_ids.cpu(), dtype=np.int64)
         mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask.cpu(), dtype=np.int64)
-        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         out, done = [ids], np.zeros(ids.shape[0], dtype=bool)
         past, step_ids = self._empty_past(ids.shape[0]), ids
         for _ in range(max_new_tokens):
             logits, past = self.step(step_ids, mask, past)
             nxt = logits[:, -1].argmax(-1)
             if eos:
-                nxt = np.where(done, next(iter(eos)), nxt)
-                done |= np.isin(nxt, list(eos))
+                nxt = np.where(done, eos[0], nxt)  # finished rows repeat the first EOS, like HF's padding
+                done |= np.isin(nxt, eos)
             step_ids = nxt[:, None].astype(np.int64)
             out.append(step_ids)
             mask = np.concatenate([mask, np.ones_like(step_ids)], axis=1)
@@ -130,15 +130,34 @@ def load_causal_lm(spec: str):
 
 def greedy_generate(model, input_ids: Tensor, max_new_tokens: int, eos_token_id=None) -> Tensor:
     """Greedy tokens from a torch model or an OnnxCausalLM, prompt included; stops at the model's EOS
-    (its generation config's) unless ``eos_token_id`` is given."""
+    (its generation config's) unless ``eos_token_id`` is given (``[]``: never stop early)."""
     if eos_token_id is None:
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(model, OnnxCausalLM):
         return model.generate(input_ids, max_new_tokens, eos_token_id=eos_token_id)
-    from transformers import GenerationConfig
+    return _torch_greedy(model, input_ids, max_new_tokens, eos_token_id)
 
-    # a fresh config: plain greedy, whatever sampling or penalties the model's own config asks for
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
-                              pad_token_id=eos_token_id)
-    with torch.no_grad():
-        return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+
+@torch.no_grad()
+def _torch_greedy(model, ids: Tensor, max_new_tokens: int, eos_token_id) -> Tensor:
+    """The same loop as OnnxCausalLM.generate on a transformers model with its DynamicCache (no logits
+    processors, so nothing but argmax decides a token)."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []), dtype=torch.long)
+    cache, out, step = DynamicCache(), [ids], ids
+    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=step, use_cache=True, **{cache_kw: cache}).logits
+        nxt = logits[:, -1].argmax(-1)
+        if len(eos):
+            nxt = torch.where(done, eos[0], nxt)
+            done |= torch.isin(nxt, eos)
+        step = nxt[:, None]
+        out.append(step)
+        if len(eos) and bool(done.all()):
+            break
+    return torch.cat(out, dim=1)

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
@@ -23,6 +25,14 @@ def dense_pack(q: Tensor, bits: int) -> Tensor:
     """Codes ``q: [rows, n]`` (``n * bits`` a multiple of 32) -> int32 ``[rows, n * bits / 32]``."""
     rows, n = q.shape
     assert 1 <= bits <= 8 and (n * bits) % 32 == 0, (n, bits)
+    if 8 % bits == 0 and sys.byteorder == "little":
+        # codes never straddle a byte: fill bytes LSB first, then read 4 bytes as one little-endian word
+        k = 8 // bits
+        b = q.to(torch.uint8) & (2**bits - 1)
+        byte = b[:, 0::k].clone()
+        for j in range(1, k):
+            byte |= b[:, j::k] << (j * bits)
+        return byte.contiguous().reshape(-1).view(torch.int32).reshape(rows, n * bits // 32)
     q = q.to(torch.int64) & (2**bits - 1)
     # q: [rows, n] -> bit planes [rows, n, bits] -> stream [rows, n * bits] -> [rows, words, 32]
     planes = (q.unsqueeze(-1) >> torch.arange(bits, device=q.device)) & 1
