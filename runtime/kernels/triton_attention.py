@@ -231,3 +231,35 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
         BLOCK_P=triton.next_power_of_2(parts), BLOCK_D=block_d,
     )
     return out
+
+
+# --- the engine's attention contract (runtime/kernels/attention.py), on these kernels -------------
+def triton_prefill_group(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta, scale: float) -> Tensor:
+    """Same contract as ``attention.prefill_attention``: the prefill group, its K/V already stored."""
+    return triton_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                                    meta.prefill_seq_lens, scale, max_query_len=max(meta.prefill_q_lens))
+
+
+def triton_decode_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta, scale: float) -> Tensor:
+    """Same contract as ``attention.decode_attention``: one token per sequence takes flash-decoding;
+    several (speculative verification) take the prefill kernel, which is causal after a context."""
+    if meta.max_decode_q_len == 1:
+        return triton_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                                       max_seq_len=meta.max_decode_seq_len or None)
+    return triton_prefill_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_cu_seqlens_q,
+                                    meta.decode_seq_lens, scale, max_query_len=meta.max_decode_q_len)
+
+
+def triton_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta,
+                           scale: float) -> Tensor:
+    """Drop-in for ``attention.paged_attention``: store this forward's K/V, then attend on the Triton kernels."""
+    from runtime.kernels.attention import write_kv
+
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    p = meta.num_prefill_tokens
+    if p == q.shape[0]:
+        return triton_prefill_group(q, k, v, k_cache, v_cache, meta, scale)
+    if p == 0:
+        return triton_decode_group(q, k_cache, v_cache, meta, scale)
+    return torch.cat([triton_prefill_group(q[:p], k[:p], v[:p], k_cache, v_cache, meta, scale),
+                      triton_decode_group(q[p:], k_cache, v_cache, meta, scale)])

@@ -129,3 +129,68 @@ def test_rejects_heads_not_multiple_of_kv_heads(ta):
     with pytest.raises(ValueError, match="multiple of KV heads"):
         ta.triton_decode_attention(torch.zeros(1, 4, 8, device=DEVICE), k, k, torch.zeros(1, 1, dtype=torch.int32,
                                    device=DEVICE), torch.ones(1, dtype=torch.int32, device=DEVICE))
+
+
+def make_meta(prefill, decode, block_size, num_blocks, gen):
+    """AttentionMetadata for prefill chunks ``[(ctx, n)]`` then decode sequences ``[(ctx, q)]``, with shuffled
+    block tables, plus the slot of every new token."""
+    from runtime.kernels.attention import AttentionMetadata
+
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+
+    def tables(group):
+        need = [math.ceil((c + n) / block_size) for c, n in group]
+        t = torch.zeros(len(group), max(need, default=1), dtype=torch.int32)
+        for i, k in enumerate(need):
+            t[i, :k] = torch.tensor([perm.pop() for _ in range(k)])
+        return t
+
+    pt, dt = tables(prefill), tables(decode)
+    slots = []
+    for group, t in ((prefill, pt), (decode, dt)):
+        for i, (c, n) in enumerate(group):
+            pos = torch.arange(c, c + n)
+            slots.append(t[i, pos // block_size].long() * block_size + pos % block_size)
+    cu = lambda lens: torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(DEVICE)  # noqa: E731
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(DEVICE), num_prefill_tokens=sum(n for _, n in prefill),
+        prefill_cu_seqlens_q=cu([n for _, n in prefill]), prefill_seq_lens=i32([c + n for c, n in prefill]),
+        prefill_block_tables=pt.to(DEVICE), prefill_q_lens=[n for _, n in prefill], prefill_ctx_lens=[c for c, _ in prefill],
+        decode_q_lens=[n for _, n in decode], decode_cu_seqlens_q=cu([n for _, n in decode]),
+        decode_seq_lens=i32([c + n for c, n in decode]), decode_block_tables=dt.to(DEVICE),
+        max_decode_seq_len=max((c + n for c, n in decode), default=0))
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1)])
+@pytest.mark.parametrize("prefill,decode", [
+    ([(0, 7), (12, 5)], []),  # prefill only: a fresh prompt and a chunk after a cached prefix
+    ([], [(20, 1), (9, 1), (33, 1)]),  # plain decoding: flash-decoding
+    ([(0, 9)], [(20, 3), (9, 1), (33, 5)]),  # mixed, with speculative verification (several queries)
+])
+def test_paged_attention_matches_engine_reference(ta, hq, hkv, prefill, decode):
+    """The drop-in for runtime.kernels.attention.paged_attention: same outputs, same cache writes."""
+    from runtime.kernels.attention import paged_attention
+
+    gen = torch.Generator().manual_seed(len(prefill) * 10 + len(decode) + hkv)
+    d, block_size, num_blocks = 16, 4, 40
+    meta = make_meta(prefill, decode, block_size, num_blocks, gen)
+    t = sum(n for _, n in prefill + decode)
+    q = torch.randn(t, hq, d, generator=gen).to(DEVICE)
+    k = torch.randn(t, hkv, d, generator=gen).to(DEVICE)
+    v = torch.randn(t, hkv, d, generator=gen).to(DEVICE)
+    kc = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(DEVICE)
+    vc = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(DEVICE)
+    kc2, vc2 = kc.clone(), vc.clone()
+    ref = paged_attention(q, k, v, kc, vc, meta, 0.25)
+    out = ta.triton_paged_attention(q, k, v, kc2, vc2, meta, 0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+def test_select_picks_reference_on_cpu():
+    from runtime.kernels.attention import paged_attention
+    from runtime.kernels.select import attention_fn, quant_linear_fn, use_triton
+
+    assert not use_triton("cpu")
+    assert attention_fn("cpu") is paged_attention and quant_linear_fn("cpu") is None
