@@ -34,13 +34,9 @@ def attention_fn(device: torch.device | str):
     return paged_attention
 
 
-def quant_linear_fn(device: torch.device | str):
-    """``f(module, x)`` computing a QuantLinear's forward from its packed buffers on ``device``, or None
-    where no fused kernel exists (the caller then keeps its own path, e.g. dequantize-then-matmul)."""
-    if not use_triton(device):
-        return None
-    from runtime.kernels.triton_qmatmul import triton_qmatmul
+def triton_linear(ql):
+    """The Triton module for one ``QuantLinear`` (call only where ``use_triton`` holds): it reads the
+    packed int32 codes directly, so the weight is never dequantized in memory."""
+    from runtime.kernels.triton_qmatmul import TritonQuantLinear
 
-    def forward(m, x):
-        return triton_qmatmul(x, m.qweight, m.scales, m.qzeros, m.scheme, m.in_features, m.g_idx, m.bias)
-    return forward
+    return TritonQuantLinear(ql)

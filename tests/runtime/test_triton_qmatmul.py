@@ -81,3 +81,14 @@ def test_rejects_wrong_in_features(tq):
     lin = make_linear(16, 32, Scheme(bits=4, group_size=16), act_order=False, bias=False, gen=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="in_features=32"):
         run(tq, lin, torch.randn(1, 31, device=DEVICE))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_module_equals_quant_linear_forward(tq, act_order):
+    """TritonQuantLinear (what the engine swaps in on CUDA) computes QuantLinear.forward's numbers."""
+    gen = torch.Generator().manual_seed(11)
+    lin = make_linear(40, 72, Scheme(bits=4, group_size=32), act_order=act_order, bias=True, gen=gen)
+    mod = tq.TritonQuantLinear(lin)
+    x = torch.randn(3, 72, generator=gen).to(DEVICE)
+    torch.testing.assert_close(mod(x), lin(x), rtol=1e-4, atol=1e-4)
+    assert mod.path == "triton" and set(dict(mod.named_buffers())) >= {"qweight", "scales", "qzeros", "bias"}
