@@ -164,3 +164,28 @@ def convert_and_uptrain(model: nn.Module, kv_heads: int, batches: list[Tensor] |
         log.info("uptraining: KL %.4f -> %.4f in %.0f s", report.uptrain.first, report.uptrain.last,
                  report.uptrain.seconds)
     return report
+
+
+def convert_to_folder(model_spec: str, kv_heads: int, out: str, uptrain_steps: int = 0, lr: float = 5e-5,
+                      calib: str = "wiki", nsamples: int = 512, seqlen: int = 256, batch_size: int = 4,
+                      dtype: str = "bfloat16", seed: int = 0, overwrite: bool = False,
+                      progress: TrainProgress | None = None) -> GQAReport:
+    """Convert (and uptrain) ``model_spec`` and write it unquantized as a plain transformers folder
+    (to measure what the conversion alone costs; quantize with ``kv_heads`` in a recipe to combine)."""
+    from pathlib import Path
+
+    from compress.checkpoint import atomic_dir
+    from compress.data import calibration_batches
+    from compress.models import load_model
+
+    if Path(out).exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass overwrite=True to replace it")
+    model, tokenizer, _ = load_model(model_spec)
+    check_kv_heads(model.config, kv_heads)
+    ids = calibration_batches(tokenizer, calib, nsamples, seqlen, seed) if uptrain_steps else None
+    report = convert_and_uptrain(model, kv_heads, None if ids is None else [ids], uptrain_steps, lr,
+                                 batch_size=batch_size, dtype=dtype, seed=seed, progress=progress)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return report

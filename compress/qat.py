@@ -27,11 +27,39 @@ from compress.train import TrainConfig, TrainProgress, TrainResult, distill
 log = logging.getLogger(__name__)
 
 INIT_METHODS = ("rtn", "awq")
+AWQ_INIT_TOKENS = 128 * 512  # AWQ's own calibration budget (recipes/awq4.yaml); QAT may train on more
 
 
 def round_ste(x: Tensor) -> Tensor:
     """``round(x)`` in the forward pass, identity in the backward pass (the value is exactly round(x))."""
     return x + (torch.round(x) - x).detach()
+
+
+class _FakeQuant(torch.autograd.Function):
+    """``(clamp(round(w / s) + z, 0, maxq) - z) * s`` on grouped ``w [out, G, g]``, ``s``/``z`` ``[out, G, 1]``,
+    with LSQ's straight-through gradients in closed form: nothing but the inputs is saved, and the
+    forward uses exactly compress.quant's operations (so it equals quantize + dequantize bit for bit)."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor, s: Tensor, z: Tensor, maxq: int) -> Tensor:
+        ctx.save_for_backward(w, s, z)
+        ctx.maxq = maxq
+        return (w / s).round_().add_(z).clamp_(0, maxq).sub_(z).mul_(s)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        w, s, z = ctx.saved_tensors
+        x = w / s
+        v = torch.round(x).add_(z)  # the code before clamping
+        inside = (v >= 0) & (v <= ctx.maxq)
+        grad_w = grad * inside  # STE: identity on the grid, zero where clamped
+        # d out / d s: round(x) - x on the grid, (clamped code - z) outside it
+        ds = torch.where(inside, v - z - x, v.clamp_(0, ctx.maxq) - z)
+        grad_s = (grad * ds).sum(dim=-1, keepdim=True)
+        grad_z = None
+        if ctx.needs_input_grad[2]:  # d out / d z: 0 on the grid, -s outside it
+            grad_z = (grad * ~inside).sum(dim=-1, keepdim=True).mul_(-s)
+        return grad_w, grad_s, grad_z, None
 
 
 class FakeQuantLinear(nn.Module):
@@ -54,7 +82,6 @@ class FakeQuantLinear(nn.Module):
             self.zero = nn.Parameter(z) if learn_zero else nn.Buffer(z)
         else:
             self.zero = None
-        self.register_buffer("g_idx", group_index(self.in_features, scheme), persistent=False)
 
     def qparams(self) -> tuple[Tensor, Tensor | float]:
         """Scale [out, G] (fp32 holding fp16 values) and zero ([out, G] integral floats, or the symmetric constant)."""
@@ -66,13 +93,18 @@ class FakeQuantLinear(nn.Module):
         return s, z + (torch.round(z).clamp(0, self.scheme.maxq) - z).detach()
 
     def fake_weight(self) -> Tensor:
-        """``[out, in]`` quantize-dequantize of the latent weight, differentiable by STE."""
+        """``[out, in]`` quantize-dequantize of the latent weight, differentiable by STE (LSQ)."""
         s, z = self.qparams()
-        s = s.index_select(1, self.g_idx)  # [out, G] -> [out, in]
-        if isinstance(z, Tensor):
-            z = z.index_select(1, self.g_idx)
-        q = torch.clamp(round_ste(self.weight / s) + z, 0, self.scheme.maxq)  # same ops as quant.quantize
-        return (q - z) * s
+        out_f, in_f = self.weight.shape
+        G, g = s.shape[1], self.scheme.group(in_f)
+        w = self.weight
+        if G * g != in_f:  # ragged last group: pad with zeros (their codes are dropped below)
+            w = nn.functional.pad(w, (0, G * g - in_f))
+        if not isinstance(z, Tensor):
+            z = torch.full_like(s, z)
+        # w: [out, in] -> [out, G, g]; s, z: [out, G] -> [out, G, 1]
+        wq = _FakeQuant.apply(w.reshape(out_f, G, g), s[..., None], z[..., None], self.scheme.maxq)
+        return wq.reshape(out_f, G * g)[:, :in_f]
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.fake_weight()
@@ -132,7 +164,13 @@ def init_awq(model: nn.Module, cfg, batches: list[Tensor], progress=None) -> dic
     from compress.pipeline import quantize_model
 
     originals = _targets(model, cfg.ignore)  # AWQ scales these modules' weights in place, then swaps them out
-    quantize_model(model, cfg.replace(method="awq", kv_heads=0), batches, progress)
+    n, used = 0, []
+    for b in batches:  # the first AWQ_INIT_TOKENS tokens are enough for AWQ's statistics
+        if n >= AWQ_INIT_TOKENS:
+            break
+        used.append(b)
+        n += b.numel()
+    quantize_model(model, cfg.replace(method="awq", kv_heads=0, uptrain_steps=0), used, progress)
     fakes, agree, total = {}, 0, 0
     for name, lin in originals.items():
         ql = model.get_submodule(name)

@@ -166,3 +166,49 @@ def test_conversion_composes_with_quantization(method, tmp_path):
     ids = _ids()
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smol_tokenizer):
+    from tiny_models import tiny_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    tiny_model("llama", vocab=len(smol_tokenizer)).save_pretrained(path)
+    smol_tokenizer.save_pretrained(path)
+    return path
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_cli_kv_heads(tiny_dir, tmp_path):
+    res = _cli("quantize", "--recipe", "rtn4", "--model", tiny_dir, "--kv-heads", 3, "--out", tmp_path / "bad")
+    assert res.exit_code == 2
+    assert "error: --kv-heads 3 exceeds the current 2 KV heads; allowed for this model: [1, 2]" in res.output
+    assert not (tmp_path / "bad").exists()
+    res = _cli("quantize", "--recipe", "rtn4", "--model", tiny_dir, "--kv-heads", 1, "--group-size", 32,
+               "--out", tmp_path / "q")
+    assert res.exit_code == 0, res.output
+    assert "kv heads: 2 -> 1, KV cache 256 -> 128 bytes/token (fp16)" in res.output
+    from compress.models import load_model
+
+    model, _, _ = load_model(str(tmp_path / "q"))
+    assert model.config.num_key_value_heads == 1
+
+
+def test_convert_to_folder_writes_a_plain_transformers_model(tiny_dir, calib_text, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    rep = gqa.convert_to_folder(str(tiny_dir), 1, str(tmp_path / "mqa"), uptrain_steps=2, calib=str(calib_text),
+                                nsamples=4, seqlen=32, dtype="float32")
+    assert rep.uptrain is not None and len(rep.uptrain.losses) == 2
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "mqa")
+    assert model.config.num_key_value_heads == 1 and model.model.layers[0].self_attn.k_proj.out_features == 16
+    assert (tmp_path / "mqa" / "tokenizer.json").exists() or (tmp_path / "mqa" / "tokenizer_config.json").exists()
+    with pytest.raises(FileExistsError, match="already exists"):
+        gqa.convert_to_folder(str(tiny_dir), 1, str(tmp_path / "mqa"))

@@ -50,6 +50,36 @@ def test_ste_gradients_reach_weights_scales_and_zeros(learn_zero):
         assert not isinstance(f.zero, torch.nn.Parameter)
 
 
+def _reference_fake_weight(f: qat.FakeQuantLinear):
+    """The same fake quantization written with plain autograd and round_ste, on [out, in]."""
+    from compress.quant import group_index
+
+    s, z = f.qparams()
+    gi = group_index(f.in_features, f.scheme)
+    s = s.index_select(1, gi)
+    z = z.index_select(1, gi) if isinstance(z, torch.Tensor) else z
+    q = torch.clamp(qat.round_ste(f.weight / s) + z, 0, f.scheme.maxq)
+    return (q - z) * s
+
+
+@pytest.mark.parametrize("scheme", [Scheme(4, 32), Scheme(3, 24, sym=True)], ids=str)
+def test_closed_form_lsq_gradients_equal_autograd_through_round_ste(scheme):
+    f = _fake(scheme=scheme, learn_zero=True)
+    with torch.no_grad():
+        f.log_scale[:, 0] -= 1.0  # some weights clamp
+    x = torch.randn(8, 80)
+    grads = []
+    for fw in (f.fake_weight, lambda: _reference_fake_weight(f)):
+        f.zero_grad()
+        w = fw()
+        (x @ w.T).pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in f.parameters() if p.requires_grad])
+    assert torch.equal(f.fake_weight(), _reference_fake_weight(f))
+    assert len(grads[0]) == len(grads[1]) == (3 if scheme.has_zeros else 2)
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("scheme", [Scheme(4, 32), Scheme(4, 32, sym=True), Scheme(3, 64), Scheme(8, -1, sym=True)],
                          ids=str)
 def test_initial_fake_weight_is_rtn_exactly(scheme):
@@ -160,3 +190,20 @@ def test_qat_without_calibration_data_is_a_clear_error():
 def test_bad_qat_options(field, value, msg):
     with pytest.raises(ValueError, match=msg):
         QuantizeConfig(method="qat", **{field: value})
+
+
+def test_cli_qat(tmp_path, calib_text, smol_tokenizer):
+    from click.testing import CliRunner
+
+    from cli import main
+
+    model_dir = tmp_path / "tiny"
+    tiny_model("llama", vocab=len(smol_tokenizer)).save_pretrained(model_dir)
+    smol_tokenizer.save_pretrained(model_dir)
+    args = ["quantize", "--recipe", "qat4", "--model", model_dir, "--calib", calib_text, "--nsamples", 4,
+            "--seqlen", 32, "--group-size", 32, "--steps", 2, "--lr", 1e-4, "--init", "rtn", "--out", tmp_path / "q"]
+    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "qat: 2 steps from rtn, KL" in res.output
+    qc = __import__("json").loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["method"] == "qat" and len(qc["modules"]) == 14 and qc["config"]["steps"] == 2
