@@ -27,7 +27,8 @@ class PackedLinears(nn.Module):
     def __init__(self, num_experts: int, in_features: int, out_features: int, scheme: Scheme,
                  act_order: bool = False, device=None):
         super().__init__()
-        self.num_experts, self.in_features, self.out_features, self.scheme = num_experts, in_features, out_features, scheme
+        self.num_experts, self.scheme = num_experts, scheme
+        self.in_features, self.out_features = in_features, out_features
         E, words, G = num_experts, -(-in_features // per_word(scheme.bits)), scheme.n_groups(in_features)
         self.register_buffer("qweight", torch.zeros(E, out_features, words, dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.ones(E, out_features, G, dtype=torch.float16, device=device))

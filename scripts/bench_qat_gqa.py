@@ -68,7 +68,8 @@ def run_gqa(name: str, out: Path, uptrain_steps: int, overwrite: bool) -> dict:
 def summarize(results: dict) -> str:
     fp = results["fp"]["ppl"]
     rtn = results.get("rtn4", {}).get("ppl")
-    lines = [f"{'model':16s} " + " ".join(f"{'ppl ' + t:>12s}" for t in fp) + "  gap closed vs rtn4   train s   KV B/tok"]
+    header = " ".join(f"{'ppl ' + t:>12s}" for t in fp)
+    lines = [f"{'model':16s} {header}  gap closed vs rtn4   train s   KV B/tok"]
     for name, r in results.items():
         if "ppl" not in r:
             continue
