@@ -290,6 +290,7 @@ def format_table(rows: list[dict]) -> str:
     """A plain fixed-width table of the rows (missing values shown as '-')."""
     cells = [[h for _, h, _ in COLUMNS]]
     for r in rows:
+        r = {**r, "model": r["model"].rstrip("/").rsplit("/", 1)[-1]}  # a folder's name, not its whole path
         cells.append(["-" if r[k] is None else fmt.format(r[k]) for k, _, fmt in COLUMNS])
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]

@@ -89,6 +89,7 @@ class EngineLoop:
         if self._pending.pop(request_id, None) is None:
             return False
         self.engine.abort(request_id)
+        self.metrics.requests.inc(finish_reason="abort")
         self._wake.set()
         return True
 

@@ -129,7 +129,8 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        whole_body = [e for e in errors if tuple(e.get("loc", ())) == ("body",) or e.get("type") == "json_invalid"]
+        whole_body = [e for e in errors if e.get("type") == "json_invalid" or (
+            tuple(e.get("loc", ())) == ("body",) and e.get("type") in ("model_attributes_type", "dict_type", "missing"))]
         if whole_body:  # not JSON, or JSON that is not an object: the body itself is malformed
             msg = f"request body must be a JSON object ({whole_body[0].get('msg')})"
             return JSONResponse(APIError(400, msg, param="body").body(), status_code=400)

@@ -6,12 +6,12 @@ from click.testing import CliRunner
 
 from runtime.bench import BenchConfig, RunResult, format_table, summarize
 from runtime.bench_workload import INSTRUCTION, make_requests
-from test_server import byte_tokenizer, model_dir  # noqa: F401  (a fixture, shared)
+from test_server import char_tokenizer, model_dir  # noqa: F401  (a fixture, shared)
 
 
 @pytest.mark.parametrize("grounded", [False, True])
 def test_requests_have_ragged_lengths_in_range(grounded):
-    tok = byte_tokenizer()
+    tok = char_tokenizer()
     reqs = make_requests(tok, 40, 64, 16, jitter=0.5, seed=3, grounded=grounded)
     assert all(32 <= len(r.prompt_ids) <= 64 and 8 <= r.output_len <= 16 for r in reqs)
     assert len({len(r.prompt_ids) for r in reqs}) > 5  # ragged, not constant
@@ -20,7 +20,7 @@ def test_requests_have_ragged_lengths_in_range(grounded):
 
 
 def test_grounded_prompt_repeats_the_start_of_its_passage():
-    tok = byte_tokenizer()
+    tok = char_tokenizer()
     for r in make_requests(tok, 10, 400, 8, jitter=0.0, seed=0, grounded=True):
         text = tok.decode(r.prompt_ids)
         assert text.startswith(INSTRUCTION)

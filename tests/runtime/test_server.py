@@ -1,0 +1,280 @@
+"""The OpenAI-compatible server end to end: the real `openai` client and httpx on loopback, the real
+Engine on a tiny random Llama saved to a folder with a byte-level tokenizer and a chat template."""
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+KEY = "test-key"
+MAX_MODEL_LEN = 128
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def char_tokenizer():
+    """One token per ASCII character plus specials, built offline: every sampled token decodes to a whole
+    character, so streamed text can be compared with transformers' decode exactly."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    tk = Tokenizer(models.WordLevel({c: i for i, c in enumerate(specials + chars)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tk.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=specials[0], eos_token=specials[2],
+                                  pad_token=specials[0], unk_token=specials[3])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256, initializer_range=0.2,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def make_engine(model_dir, max_num_seqs=8):
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    return Engine(EngineConfig(model=str(model_dir), max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
+                               kv_cache_memory=8 << 20, block_size=16))
+
+
+class Served:
+    """uvicorn running ``create_app(engine, config)`` on a free loopback port, in a thread."""
+
+    def __init__(self, engine, **config):
+        import uvicorn
+
+        from runtime.server import ServerConfig, create_app
+
+        self.engine, self.model = engine, config["model_name"]
+        self.app = create_app(engine, ServerConfig(**config))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key=KEY):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    s = Served(make_engine(model_dir), model_name=str(model_dir), api_key=KEY, max_num_seqs=8, max_queue=128)
+    yield s
+    s.close()
+
+
+def blocks_free(engine) -> bool:
+    """Every KV block back in the pool (blocks kept only for the prefix cache count as free)."""
+    s = engine.stats()
+    return not engine.has_unfinished() and s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == 0
+
+
+def wait_until(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(model_dir):
+    """Greedy continuation by transformers, the reference for the engine's greedy output."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def run(ids: list[int], n: int) -> str:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+        return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    return run, tok
+
+
+def test_completion_matches_transformers_greedy(served, hf_greedy):
+    run, tok = hf_greedy
+    prompt = "The river left the mountains"
+    r = served.client().completions.create(model=served.model, prompt=prompt, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    ids = tok(prompt)["input_ids"]
+    assert r.choices[0].text == run(ids, 12)
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 12, len(ids) + 12)
+
+
+def test_streamed_completion_equals_unstreamed(served):
+    c = served.client()
+    kw = dict(model=served.model, prompt="A small town grew", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    full = c.completions.create(**kw).choices[0].text
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == full
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_streaming_and_not(served, hf_greedy):
+    run, tok = hf_greedy
+    c = served.client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}]
+    kw = dict(model=served.model, messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    r = c.chat.completions.create(**kw)
+    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == run(ids, 8)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 8
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_and_seed(served):
+    c = served.client()
+    base = dict(model=served.model, prompt="Every evening the bells", max_tokens=16, extra_body={"ignore_eos": True})
+    greedy = c.completions.create(temperature=0, **base).choices[0].text
+    stop = greedy[5:7]  # a string the greedy output is known to contain
+    r = c.completions.create(temperature=0, stop=[stop], **base)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == greedy[:greedy.index(stop)]
+    a = c.completions.create(temperature=1.0, seed=1234, **base).choices[0].text
+    b = c.completions.create(temperature=1.0, seed=1234, **base).choices[0].text
+    assert a == b
+
+
+def test_models_health_metrics(served):
+    models = served.client().models.list()
+    assert [m.id for m in models.data] == [served.model]
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    served.client().completions.create(model=served.model, prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
+    text = httpx.get(served.url + "/metrics").text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(samples["compress_time_to_first_token_seconds_count"]) >= 1
+    assert float(samples["compress_generation_tokens_total"]) >= 3
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "spec_decode_acceptance_ratio"):
+        assert f"compress_{gauge}" in samples
+
+
+def test_auth_errors(served):
+    with pytest.raises(openai.AuthenticationError):
+        served.client(key="wrong").completions.create(model=served.model, prompt="x", max_tokens=2)
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": "x"})  # no header at all
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(served.url + "/health").status_code == 200  # health and metrics stay open
+
+
+def test_request_errors_name_the_problem(served):
+    c, h = served.client(), {"Authorization": f"Bearer {KEY}"}
+    with pytest.raises(openai.BadRequestError, match=str(MAX_MODEL_LEN)):
+        c.completions.create(model=served.model, prompt="y" * (MAX_MODEL_LEN + 10), max_tokens=2)
+    with pytest.raises(openai.UnprocessableEntityError, match="temperature"):
+        c.completions.create(model=served.model, prompt="x", max_tokens=2, temperature="hot")
+    with pytest.raises(openai.UnprocessableEntityError, match="max_tokens"):
+        c.completions.create(model=served.model, prompt="x", max_tokens=0)
+    with pytest.raises(openai.UnprocessableEntityError, match="messages"):
+        c.chat.completions.create(model=served.model, messages=[])
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        c.completions.create(model="gpt-5", prompt="x", max_tokens=2)
+    r = httpx.post(served.url + "/v1/completions", content=b'{"prompt": "x",', headers={**h, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": "x", "n": 3}, headers=h)
+    assert r.status_code == 422 and "n=3" in r.json()["error"]["message"]
+    assert wait_until(lambda: blocks_free(served.engine))
+
+
+async def _stream(http, url, i, drop: bool) -> tuple[str, str | None, int]:
+    """One streaming client; ``drop`` ones hang up after three chunks of a long request."""
+    body = {"prompt": f"request {i}: the river", "stream": True, "temperature": 0, "ignore_eos": True,
+            "max_tokens": 90 if drop else 12, "stream_options": {"include_usage": True}}
+    text, finish, n = [], None, 0
+    async with http.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return "".join(text), finish, n
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+            if chunk["choices"]:
+                text.append(chunk["choices"][0]["text"])
+                finish = chunk["choices"][0]["finish_reason"] or finish
+            if drop and len(text) >= 3:
+                return "dropped", None, -1
+    raise AssertionError("stream ended without [DONE]")
+
+
+def test_load_64_streaming_clients_some_disconnecting(model_dir):
+    served = Served(make_engine(model_dir, max_num_seqs=16), model_name="tiny", max_num_seqs=16, max_queue=64)
+    try:
+        async def main():
+            limits = httpx.Limits(max_connections=128, max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+                return await asyncio.gather(*(_stream(http, served.url + "/v1/completions", i, drop=i % 4 == 0)
+                                              for i in range(64)))
+        results = asyncio.run(main())
+        kept = [r for i, r in enumerate(results) if i % 4]
+        assert len(kept) == 48
+        assert all(finish == "length" and n == 12 and text for text, finish, n in kept)
+        # dropped requests were aborted (never finished) and every block came back
+        assert wait_until(lambda: blocks_free(served.engine))
+        assert served.app.state.engine_loop.num_pending == 0
+        assert served.app.state.metrics.requests.value(finish_reason="length") == 48
+        assert served.app.state.metrics.requests.value(finish_reason="abort") == 16
+    finally:
+        served.close()
+
+
+def test_queue_full_is_429(model_dir):
+    served = Served(make_engine(model_dir, max_num_seqs=1), model_name="tiny", max_num_seqs=1, max_queue=1)
+    try:
+        body = {"prompt": "long one", "stream": True, "ignore_eos": True, "max_tokens": MAX_MODEL_LEN - 20}
+        with httpx.Client(timeout=60) as h1, httpx.Client(timeout=60) as h2:
+            with h1.stream("POST", served.url + "/v1/completions", json=body) as r1, \
+                    h2.stream("POST", served.url + "/v1/completions", json=body) as r2:
+                assert r1.status_code == 200 and r2.status_code == 200
+                with pytest.raises(openai.RateLimitError, match="limit 2"):
+                    served.client().completions.create(model="tiny", prompt="x", max_tokens=2)
+        # both streams were closed mid-way: their requests are aborted and the pool is whole again
+        assert wait_until(lambda: blocks_free(served.engine))
+    finally:
+        served.close()
