@@ -1,0 +1,166 @@
+"""Attention over the paged KV cache: the metadata contract and the torch (CPU reference) path.
+
+The KV pool of one layer is ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``;
+token ``p`` of a sequence sits at slot ``block_table[p // block_size] * block_size + p % block_size``
+(``slot_mapping`` gives each new token's slot). A forward's tokens are laid out as two groups:
+
+- prefill group, first ``num_prefill_tokens`` tokens: chunks of any length, one per sequence,
+  delimited by ``prefill_cu_seqlens_q``; query ``i`` of sequence ``b`` sits at position
+  ``prefill_seq_lens[b] - q_len_b + i`` and sees keys ``0..`` its own position (causal after any
+  cached context, so prefix-cached and chunked prefills look alike).
+- decode group, the rest: sequences with a few new tokens each (1 for plain decoding, 1 + drafts
+  when verifying speculative tokens), ``decode_q_lens[b]`` of them, same causal rule, with
+  ``decode_seq_lens[b]`` counting the context plus the new tokens.
+
+Callers store the new tokens' K/V first (``write_kv``), then attend; both groups read every key
+through the block tables. ``paged_attention`` is what the model calls; the Triton kernels in
+``runtime/kernels/triton_attention.py`` take the same tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of one forward reads and writes K/V (see the module docstring)."""
+
+    slot_mapping: Tensor  # [T] int64
+    num_prefill_tokens: int
+    prefill_cu_seqlens_q: Tensor  # [P + 1] int32
+    prefill_seq_lens: Tensor  # [P] int32: cached context + new tokens
+    prefill_block_tables: Tensor  # [P, max_blocks] int32
+    prefill_q_lens: list[int]  # host copies, for loops on the CPU path
+    prefill_ctx_lens: list[int]
+    decode_q_lens: list[int]  # [D]
+    decode_cu_seqlens_q: Tensor  # [D + 1] int32
+    decode_seq_lens: Tensor  # [D] int32
+    decode_block_tables: Tensor  # [D, max_blocks] int32
+    max_decode_seq_len: int = 0
+    derived: dict = field(default_factory=dict)  # per-forward tensors a backend computes once, shared by layers
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return len(self.decode_q_lens)
+
+    @property
+    def max_decode_q_len(self) -> int:
+        return max(self.decode_q_lens, default=0)
+
+
+def slots_of(block_tables: Tensor, num_positions: int, block_size: int) -> Tensor:
+    """Slot of positions ``0..num_positions-1`` of every row of ``block_tables`` -> ``[B, num_positions]``."""
+    pos = torch.arange(num_positions, device=block_tables.device)
+    # pad tables that cover fewer positions (their extra positions are masked by the callers)
+    need = -(-num_positions // block_size)
+    if block_tables.shape[1] < need:
+        block_tables = F.pad(block_tables, (0, need - block_tables.shape[1]))
+    return block_tables[:, pos // block_size].long() * block_size + pos % block_size
+
+
+def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Store ``k, v: [T, Hkv, D]`` into their slots of the pool."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def _decode_plan(meta: AttentionMetadata, block_size: int, device) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(gather index [D, L], visibility mask [D, 1, Q, L], padded-query index or None), once per forward."""
+    plan = meta.derived.get("decode")
+    if plan is None:
+        d, q = meta.num_decode_seqs, meta.max_decode_q_len
+        length = meta.max_decode_seq_len or int(meta.decode_seq_lens.max())
+        index = slots_of(meta.decode_block_tables, length, block_size)
+        q_lens = torch.tensor(meta.decode_q_lens, device=device)
+        seq_lens = meta.decode_seq_lens.to(device=device, dtype=torch.long)
+        # query j of sequence b sits at position seq_len - q_len + j and sees keys up to it
+        q_pos = (seq_lens - q_lens)[:, None] + torch.arange(q, device=device)[None, :]  # [D, Q]
+        q_pos = torch.minimum(q_pos, seq_lens[:, None] - 1)  # padded queries: see everything (output unused)
+        mask = torch.arange(length, device=device)[None, None, :] <= q_pos[:, :, None]  # [D, Q, L]
+        pad = None
+        if any(n != q for n in meta.decode_q_lens):
+            rows = torch.arange(d * q, device=device).view(d, q)
+            pad = rows[torch.arange(q, device=device)[None, :] < q_lens[:, None]]  # real rows of the [D*Q] layout
+        plan = meta.derived["decode"] = (index, mask[:, None], pad)
+    return plan
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """Batched attention for the decode group: ``q: [sum(decode_q_lens), Hq, D]`` -> same shape."""
+    index, mask, pad = _decode_plan(meta, k_cache.shape[1], q.device)
+    nb, nq = meta.num_decode_seqs, meta.max_decode_q_len
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    if pad is not None:  # scatter the ragged queries into a [D * Q] layout
+        full = q.new_zeros(nb * nq, hq, d)
+        full.index_copy_(0, pad, q)
+        q = full
+    k = k_cache.view(-1, hkv, d)[index]  # [D, L, Hkv, D]
+    v = v_cache.view(-1, hkv, d)[index]
+    # fold each KV head's query heads into the query axis: [D, Q, Hkv, G, D] -> [D, Hkv, G*Q, D]
+    qg = q.view(nb, nq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(nb, hkv, group * nq, d)
+    m = mask if nq == 1 else mask.repeat(1, 1, group, 1)  # rows ordered (g, j): j = row % Q
+    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m, scale=scale)
+    o = o.view(nb, hkv, group, nq, d).permute(0, 3, 1, 2, 4).reshape(nb * nq, hq, d)
+    return o if pad is None else o.index_select(0, pad)
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                      scale: float) -> Tensor:
+    """Causal attention for the prefill group, one sequence at a time (its new ``k, v`` are already stored)."""
+    out = torch.empty_like(q)
+    block_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    start = 0
+    for b, (n, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_ctx_lens)):
+        qi = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
+        if ctx == 0:  # nothing cached: attend to this chunk's own keys
+            ki, vi = k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            idx = slots_of(meta.prefill_block_tables[b:b + 1], ctx + n, block_size)[0]
+            ki = k_cache.view(-1, hkv, d)[idx].transpose(0, 1)  # [Hkv, ctx + n, D]
+            vi = v_cache.view(-1, hkv, d)[idx].transpose(0, 1)
+            mask = torch.arange(ctx + n, device=q.device)[None, :] <= torch.arange(ctx, ctx + n, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:start + n] = o.transpose(0, 1)
+        start += n
+    return out
+
+
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                    scale: float) -> Tensor:
+    """Store this forward's ``k, v: [T, Hkv, D]`` and attend with ``q: [T, Hq, D]`` -> ``[T, Hq, D]``."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    p = meta.num_prefill_tokens
+    if p == q.shape[0]:
+        return prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
+    if p == 0:
+        return decode_attention(q, k_cache, v_cache, meta, scale)
+    return torch.cat([prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta, scale),
+                      decode_attention(q[p:], k_cache, v_cache, meta, scale)])
+
+
+def triton_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                           scale: float) -> Tensor:
+    """The same contract on CUDA, through the Triton kernels (runtime/kernels/triton_attention.py)."""
+    from runtime.kernels.triton_attention import triton_decode_attention, triton_prefill_attention
+
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    p, outs = meta.num_prefill_tokens, []
+    if p:
+        outs.append(triton_prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                                             meta.prefill_seq_lens, scale, max_query_len=max(meta.prefill_q_lens)))
+    if q.shape[0] > p:
+        if meta.max_decode_q_len == 1:
+            outs.append(triton_decode_attention(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                                scale, max_seq_len=meta.max_decode_seq_len))
+        else:  # verifying drafts: a few queries per sequence, causal after the context
+            outs.append(triton_prefill_attention(q[p:], k_cache, v_cache, meta.decode_block_tables,
+                                                 meta.decode_cu_seqlens_q, meta.decode_seq_lens, scale,
+                                                 max_query_len=meta.max_decode_q_len))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

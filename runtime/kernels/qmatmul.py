@@ -1,0 +1,197 @@
+"""Quantized matmul on CPU: QuantLinear weights turned, once at load, into the fastest correct kernel.
+
+Paths (``prepare_linear`` picks one per layer; ``forward`` of each equals ``QuantLinear.forward`` up to
+the rounding of its compute dtype):
+
+- ``int4pack``: ``aten._weight_int4pack_mm_for_cpu`` for 4-bit integer codes with group sizes 32, 64,
+  128 or 256 (asymmetric or symmetric). The kernel computes ``(q - 8) * scale + zero_f`` per group, so
+  our ``(q - z) * scale`` maps to ``zero_f = (8 - z) * scale``. It wants ``K`` a multiple of the group
+  size and ``N`` a multiple of 16: a ragged last group and odd ``N`` are padded (zero input columns,
+  dropped output rows), act-order ``g_idx`` becomes a column permutation of the input. It runs with
+  bf16 activations (its fp32 path is many times slower), so outputs carry bf16 rounding.
+- ``int8pack``: ``aten._weight_int8pack_mm`` for 8-bit per-channel codes: ``q - 128`` as int8 with the
+  channel scale; an asymmetric zero adds ``rowsum(x) * (128 - z) * scale``. bf16 activations; ``K``
+  padded to a multiple of 64 (the kernel misbehaves otherwise).
+- ``dense``: the weight dequantized once into the compute dtype (exactly ``QuantLinear``'s numbers),
+  for every other format (2/3-bit, nf4, grouped int8) and for ``quant_kernel="dequant"``.
+
+Nothing is re-quantized: the packed layouts are built from the stored integers, scales and zeros.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from compress.qlinear import QuantLinear
+
+log = logging.getLogger(__name__)
+
+INT4_GROUPS = (32, 64, 128, 256)
+KERNEL_DTYPE = torch.bfloat16
+
+
+def _act_order_perm(ql: QuantLinear) -> Tensor | None:
+    """Input-column order that makes act-order groups contiguous, or None when already natural."""
+    if ql.g_idx is None:
+        return None
+    g = ql.g_idx.long()
+    gs = ql.scheme.group(ql.in_features)
+    perm = torch.sort(g, stable=True).indices
+    counts = torch.bincount(g, minlength=ql.scheme.n_groups(ql.in_features))
+    if (counts[:-1] != gs).any() or counts[-1] > gs:
+        raise ValueError("act-order groups are not of equal size; no packed layout")
+    return None if torch.equal(perm, torch.arange(ql.in_features)) else perm
+
+
+class DenseLinear(nn.Module):
+    """The dequantized weight, kept in the compute dtype."""
+
+    path = "dense"
+
+    def __init__(self, ql: QuantLinear, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = ql.in_features, ql.out_features
+        self.register_buffer("weight", ql.dequantized_weight(torch.float32).to(dtype))
+        self.bias = None if ql.bias is None else ql.bias.detach().to(dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int4PackedLinear(nn.Module):
+    """4-bit codes in torch's CPU int4 packed layout, run by ``_weight_int4pack_mm_for_cpu``."""
+
+    path = "int4pack"
+
+    def __init__(self, ql: QuantLinear):
+        super().__init__()
+        s = ql.scheme
+        assert s.bits == 4 and s.format == "int" and s.group_size in INT4_GROUPS
+        self.in_features, self.out_features = ql.in_features, ql.out_features
+        self.group = s.group_size
+        perm = _act_order_perm(ql)
+        self.perm = perm
+        codes = ql.codes().to(torch.int32)  # [N, K]
+        if perm is not None:
+            codes = codes[:, perm]
+        n_groups = s.n_groups(ql.in_features)
+        self.k_pad = n_groups * self.group - ql.in_features
+        n_pad = -ql.out_features % 16
+        codes = F.pad(codes, (0, self.k_pad, 0, n_pad), value=8)  # padded weights meet zero inputs / are dropped
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1))
+        scale = ql.scales.float()  # [N, G]
+        zero = ql.qzeros.float() if ql.qzeros is not None else torch.full_like(scale, s.sym_zero)
+        sz = torch.stack([scale, (8 - zero) * scale], dim=-1)  # [N, G, 2]
+        sz = F.pad(sz, (0, 0, 0, 0, 0, n_pad))
+        self.register_buffer("scale_zeros", sz.transpose(0, 1).contiguous().to(KERNEL_DTYPE))  # [G, N, 2]
+        self.bias = None if ql.bias is None else ql.bias.detach().float()
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead, dtype = x.shape[:-1], x.dtype
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        if self.k_pad:
+            x2 = F.pad(x2, (0, self.k_pad))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scale_zeros)
+        y = y[:, :self.out_features].to(dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(dtype)
+        return y.reshape(*lead, self.out_features)
+
+
+class Int8PackedLinear(nn.Module):
+    """8-bit per-channel codes as int8, run by ``_weight_int8pack_mm``."""
+
+    path = "int8pack"
+
+    def __init__(self, ql: QuantLinear):
+        super().__init__()
+        s = ql.scheme
+        assert s.bits == 8 and s.format == "int" and s.n_groups(ql.in_features) == 1
+        self.in_features, self.out_features = ql.in_features, ql.out_features
+        self.k_pad = -ql.in_features % 64
+        w8 = (ql.codes().to(torch.int16) - 128).to(torch.int8)  # exact: codes are 0..255
+        self.register_buffer("weight", F.pad(w8, (0, self.k_pad)).contiguous())
+        scale = ql.scales.float()[:, 0]
+        self.register_buffer("scale", scale.to(KERNEL_DTYPE))
+        corr = None if ql.qzeros is None else (128 - ql.qzeros.float()[:, 0]) * scale
+        self.correction = None if corr is None or not corr.any() else corr  # per output channel, fp32
+        self.bias = None if ql.bias is None else ql.bias.detach().float()
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead, dtype = x.shape[:-1], x.dtype
+        x2 = x.reshape(-1, self.in_features)
+        xk = x2.to(KERNEL_DTYPE)
+        if self.k_pad:
+            xk = F.pad(xk, (0, self.k_pad))
+        y = torch.ops.aten._weight_int8pack_mm(xk, self.weight, self.scale).to(dtype)
+        if self.correction is not None:
+            y = y + x2.float().sum(-1, keepdim=True).to(dtype) * self.correction.to(dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(dtype)
+        return y.reshape(*lead, self.out_features)
+
+
+def packed_path(ql: QuantLinear) -> str:
+    """Which packed kernel can run ``ql`` ("int4pack", "int8pack"), or "dense"."""
+    s = ql.scheme
+    if s.format != "int":
+        return "dense"
+    if s.bits == 4 and s.group_size in INT4_GROUPS:
+        try:
+            _act_order_perm(ql)
+        except ValueError:
+            return "dense"
+        return "int4pack"
+    if s.bits == 8 and s.n_groups(ql.in_features) == 1:
+        return "int8pack"
+    return "dense"
+
+
+def prepare_linear(ql: QuantLinear, mode: str, dtype: torch.dtype) -> nn.Module:
+    """The kernel module for one QuantLinear: ``mode`` "packed" (when the format allows) or "dequant"."""
+    path = packed_path(ql) if mode == "packed" else "dense"
+    if path == "int4pack":
+        return Int4PackedLinear(ql)
+    if path == "int8pack":
+        return Int8PackedLinear(ql)
+    return DenseLinear(ql, dtype)
+
+
+class TritonLinear(nn.Module):
+    """CUDA: the packed weight read directly by runtime/kernels/triton_qmatmul.py."""
+
+    path = "triton"
+
+    def __init__(self, ql: QuantLinear):
+        super().__init__()
+        self.ql = ql
+
+    def forward(self, x: Tensor) -> Tensor:
+        from runtime.kernels.triton_qmatmul import triton_qmatmul
+
+        q = self.ql
+        return triton_qmatmul(x, q.qweight, q.scales, q.qzeros, q.scheme, q.in_features, q.g_idx,
+                              None if q.bias is None else q.bias)
+
+
+def prepare_model(model: nn.Module, mode: str, dtype: torch.dtype, device_type: str = "cpu") -> dict[str, int]:
+    """Replace every QuantLinear in ``model`` by its kernel module; returns how many took each path."""
+    counts: Counter[str] = Counter()
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantLinear):
+            if device_type == "cuda" and mode == "packed":
+                kernel = TritonLinear(module)
+            else:
+                kernel = prepare_linear(module, mode, dtype)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, kernel)
+            counts[kernel.path] += 1
+    if counts:
+        log.info("quantized linears: %s", dict(counts))
+    return dict(counts)

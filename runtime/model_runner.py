@@ -1,0 +1,112 @@
+"""Builds a forward's tensors from the scheduled work, owns the model and its paged KV pool, returns logits.
+
+The runner knows nothing of requests: it is handed ``ForwardItem``s (tokens to feed at consecutive
+positions after ``start`` cached ones, the block table, how many trailing positions need logits) and
+returns those logits. Items with at most ``decode_q_len`` tokens form the batched decode group of the
+attention metadata; longer ones the per-sequence prefill group (see runtime/kernels/attention.py).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from runtime.kernels import qmatmul
+from runtime.kernels.attention import AttentionMetadata, triton_paged_attention
+from runtime.models.llama import ModelConfig
+from runtime.models.loader import Checkpoint, build_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ForwardItem:
+    """One sequence's share of a forward."""
+
+    token_ids: list[int]  # fed at positions start .. start + len - 1
+    start: int  # tokens of this sequence already in the KV cache
+    block_table: list[int]
+    num_logits: int  # how many trailing positions' logits to return (0 .. len)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
+    """Bytes of K and V for one block across all layers."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * DTYPES[dtype].itemsize
+
+
+class ModelRunner:
+    """One model (target or draft) with its own KV pool of ``num_blocks`` blocks."""
+
+    def __init__(self, ckpt: Checkpoint, num_blocks: int, block_size: int, dtype: str, device: str,
+                 quant_kernel: str, max_positions: int, decode_q_len: int = 1):
+        self.dtype, self.device = DTYPES[dtype], torch.device(device)
+        self.block_size, self.num_blocks, self.decode_q_len = block_size, num_blocks, decode_q_len
+        self.model = build_model(ckpt, self.dtype, max_positions)
+        self.config = self.model.config
+        self.kernel_paths = qmatmul.prepare_model(self.model, quant_kernel, self.dtype, self.device.type)
+        self.model.to(self.device)
+        cfg = self.config
+        shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_modules()):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            if self.device.type == "cuda":
+                attn.attn_fn = triton_paged_attention
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def _tables(self, items: list[ForwardItem]) -> Tensor:
+        width = max((len(it.block_table) for it in items), default=0)
+        return torch.tensor([it.block_table + [0] * (width - len(it.block_table)) for it in items],
+                            dtype=torch.int32).reshape(len(items), width)
+
+    def prepare(self, items: list[ForwardItem]) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        """(input_ids, positions, metadata, logit rows in item order) with prefill items first."""
+        pre = [i for i, it in enumerate(items) if len(it.token_ids) > self.decode_q_len]
+        dec = [i for i, it in enumerate(items) if len(it.token_ids) <= self.decode_q_len]
+        bs = self.block_size
+        ids, pos, slots, row_of = [], [], [], {}
+        for i in pre + dec:
+            it = items[i]
+            n, base = len(it.token_ids), len(ids)
+            row_of[i] = range(base + n - it.num_logits, base + n)
+            ids += it.token_ids
+            positions = range(it.start, it.start + n)
+            pos += positions
+            table = it.block_table
+            slots += [table[p // bs] * bs + p % bs for p in positions]
+        rows = [r for i in range(len(items)) for r in row_of[i]]
+        q_pre = [len(items[i].token_ids) for i in pre]
+        q_dec = [len(items[i].token_ids) for i in dec]
+        seq_dec = [items[i].start + len(items[i].token_ids) for i in dec]
+        cu = lambda xs: torch.tensor([0] + torch.tensor(xs, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_prefill_tokens=sum(q_pre),
+            prefill_cu_seqlens_q=cu(q_pre).to(dev),
+            prefill_seq_lens=torch.tensor([items[i].start + len(items[i].token_ids) for i in pre], dtype=torch.int32, device=dev),
+            prefill_block_tables=self._tables([items[i] for i in pre]).to(dev),
+            prefill_q_lens=q_pre, prefill_ctx_lens=[items[i].start for i in pre],
+            decode_q_lens=q_dec, decode_cu_seqlens_q=cu(q_dec).to(dev),
+            decode_seq_lens=torch.tensor(seq_dec, dtype=torch.int32, device=dev),
+            decode_block_tables=self._tables([items[i] for i in dec]).to(dev),
+            max_decode_seq_len=max(seq_dec, default=0),
+        )
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                meta, torch.tensor(rows, dtype=torch.long, device=dev))
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem]) -> Tensor:
+        """Run the model on ``items``; fp32 logits ``[sum(num_logits), vocab]`` in item order (CPU)."""
+        input_ids, positions, meta, rows = self.prepare(items)
+        hidden = self.model(input_ids, positions, meta)
+        if rows.numel() == 0:
+            return torch.empty(0, self.vocab_size)
+        return self.model.compute_logits(hidden.index_select(0, rows)).cpu()

@@ -1,0 +1,179 @@
+"""The runtime's decoder for the Llama family (llama, mistral, qwen2, qwen3, gemma).
+
+The families differ only in data (``ARCHS``, keyed by ``config.model_type``): Qwen3 normalizes q and k
+per head before RoPE, Gemma scales embeddings by sqrt(hidden) and stores RMSNorm weights as ``w - 1``.
+Biases follow the checkpoint (Qwen2's q/k/v biases are simply present there). The forward takes
+token ids, positions and the attention metadata explicitly: ``model(input_ids, positions, meta)``
+returns final hidden states ``[T, hidden]``; ``compute_logits`` runs the LM head on the rows that
+need it. Linears are attributes the loader fills (fused ``qkv_proj`` and ``gate_up_proj``; each
+an ``nn.Linear``, a quantized module, or a ``ConcatLinear``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runtime.kernels.attention import AttentionMetadata, paged_attention
+from runtime.models.layers import ACTIVATIONS, RMSNorm, Rotary, apply_rope
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What one model family does differently from Llama."""
+
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + w) (Gemma: 1)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    default_act: str = "silu"
+
+
+ARCHS = {
+    "llama": Arch(),
+    "mistral": Arch(),
+    "qwen2": Arch(),
+    "qwen3": Arch(qk_norm=True),
+    "gemma": Arch(norm_offset=1.0, embed_scale=True, default_act="gelu_pytorch_tanh"),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder, read from a transformers ``config.json`` dict."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    act: str
+    sliding_window: int | None = None
+
+    @property
+    def arch(self) -> Arch:
+        return ARCHS[self.model_type]
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        model_type = cfg.get("model_type")
+        if model_type not in ARCHS:
+            raise ValueError(f"model_type={model_type!r} is not supported by the runtime; supported: {sorted(ARCHS)}")
+        heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ARCHS[model_type].default_act
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation {act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", model_type == "gemma"),
+            act=act, sliding_window=window,
+        )
+
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, float], Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj: nn.Module = nn.Identity()  # [T, hidden] -> [T, (Hq + 2 Hkv) * D], set by the loader
+        self.o_proj: nn.Module = nn.Identity()
+        norm = cfg.arch.qk_norm
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype) if norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype) if norm else None
+        self.k_cache: Tensor | None = None  # [num_blocks, block_size, Hkv, D], set by the runner
+        self.v_cache: Tensor | None = None
+        self.attn_fn: AttentionFn = paged_attention
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
+        v = qkv[:, hq + hkv:]
+        if self.q_norm is None:
+            qk = apply_rope(qkv[:, :hq + hkv], cos, sin)  # q and k heads rotated together
+            q, k = qk[:, :hq], qk[:, hq:]
+        else:
+            q = apply_rope(self.q_norm(qkv[:, :hq]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, hq:hq + hkv]), cos, sin)
+        o = self.attn_fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, hq * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj: nn.Module = nn.Identity()  # [T, hidden] -> [T, 2 * intermediate]
+        self.down_proj: nn.Module = nn.Identity()
+        self.act = ACTIVATIONS[cfg.act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        off = cfg.arch.norm_offset
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off, dtype)
+        self.self_attn = Attention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off, dtype)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    """Token ids + positions + attention metadata -> hidden states; ``compute_logits`` for the LM head."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.config, self.dtype = cfg, dtype
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_offset, dtype)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
+        self.lm_head: nn.Module | None = None  # None: tied to embed_tokens
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.arch.embed_scale else None
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """fp32 logits ``[N, vocab]`` for hidden rows ``[N, hidden]``."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def attention_modules(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers]
