@@ -230,9 +230,11 @@ def _levels(value: str) -> tuple[int, ...]:
 @click.option("--repeats", type=int, default=1, show_default=True, help="Runs per row; rows report the median run.")
 @click.option("--no-hf", is_flag=True, help="Skip the transformers generate rows.")
 @click.option("--no-spec", is_flag=True, help="Skip the speculative decoding rows.")
+@click.option("--dtype", default="float32", show_default=True, help="Engine dtype for MODEL (bfloat16 runs packed int4 "
+              "kernels); the baseline rows stay float32.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
 def bench(model_spec, baseline, prompt_len, output_len, concurrency, requests_per_level, jitter, repeats, no_hf, no_spec,
-          json_path):
+          dtype, json_path):
     """Throughput and latency of MODEL: transformers vs this engine, static vs continuous batching, speculative."""
     import json
     from pathlib import Path
@@ -241,7 +243,7 @@ def bench(model_spec, baseline, prompt_len, output_len, concurrency, requests_pe
 
     cfg = BenchConfig(model=model_spec, baseline=baseline, prompt_len=prompt_len, output_len=output_len,
                       concurrency=_levels(concurrency), requests_per_level=requests_per_level, jitter=jitter,
-                      repeats=repeats, hf=not no_hf, speculative=not no_spec)
+                      repeats=repeats, hf=not no_hf, speculative=not no_spec, dtype=dtype)
     result = run_bench(cfg, progress=lambda msg: click.echo(f"  running {msg}", err=True))
     click.echo(format_table(result["rows"]))
     if json_path:

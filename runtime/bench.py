@@ -39,6 +39,7 @@ class BenchConfig:
     num_speculative_tokens: int = 4
     kv_cache_memory: int = 1 << 30
     max_model_len: int | None = None
+    dtype: str = "float32"  # the engine on ``model``; transformers and the engine on ``baseline`` stay fp32
     seed: int = 0
 
     def __post_init__(self):
@@ -208,9 +209,9 @@ def _engine_classes():
     return Engine, EngineConfig, SamplingParams
 
 
-def _build_engine(cfg: BenchConfig, model: str, max_seqs: int, draft: str | None):
+def _build_engine(cfg: BenchConfig, model: str, max_seqs: int, draft: str | None, dtype: str = "float32"):
     Engine, EngineConfig, _ = _engine_classes()
-    return Engine(EngineConfig(model=model, dtype="float32", max_num_seqs=max_seqs, kv_cache_memory=cfg.kv_cache_memory,
+    return Engine(EngineConfig(model=model, dtype=dtype, max_num_seqs=max_seqs, kv_cache_memory=cfg.kv_cache_memory,
                                max_model_len=cfg.max_model_len, draft=draft,
                                num_speculative_tokens=cfg.num_speculative_tokens, seed=cfg.seed))
 
@@ -265,14 +266,15 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         del engine
         gc.collect()
 
-    engine = _build_engine(cfg, cfg.model, top, None)
-    engine_rows(engine, cfg.model, "engine", static_too=True)
+    tag = {"float32": "", "bfloat16": "-bf16", "float16": "-fp16"}.get(cfg.dtype, f"-{cfg.dtype}")
+    engine = _build_engine(cfg, cfg.model, top, None, cfg.dtype)
+    engine_rows(engine, cfg.model, f"engine{tag}", static_too=True)
     if cfg.speculative:
-        engine_rows(engine, cfg.model, "engine-grounded", static_too=False, grounded=True)
+        engine_rows(engine, cfg.model, f"engine{tag}-grounded", static_too=False, grounded=True)
         del engine
         gc.collect()
-        engine = _build_engine(cfg, cfg.model, top, "ngram")
-        engine_rows(engine, cfg.model, "engine-ngram-spec-grounded", static_too=False, grounded=True)
+        engine = _build_engine(cfg, cfg.model, top, "ngram", cfg.dtype)
+        engine_rows(engine, cfg.model, f"engine{tag}-ngram-spec-grounded", static_too=False, grounded=True)
     stats = engine.stats()
     del engine
     gc.collect()
