@@ -209,7 +209,7 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     block_n = 32
     if partition_size % block_n:
         raise ValueError(f"partition_size={partition_size} must be a multiple of {block_n}")
-    if max_seq_len is None:
+    if not max_seq_len:  # unknown (None or 0): read it, at the cost of a device sync
         max_seq_len = int(seq_lens.max())
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     parts = max(1, triton.cdiv(max_seq_len, partition_size))
@@ -232,34 +232,3 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     )
     return out
 
-
-# --- the engine's attention contract (runtime/kernels/attention.py), on these kernels -------------
-def triton_prefill_group(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta, scale: float) -> Tensor:
-    """Same contract as ``attention.prefill_attention``: the prefill group, its K/V already stored."""
-    return triton_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                                    meta.prefill_seq_lens, scale, max_query_len=max(meta.prefill_q_lens))
-
-
-def triton_decode_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta, scale: float) -> Tensor:
-    """Same contract as ``attention.decode_attention``: one token per sequence takes flash-decoding;
-    several (speculative verification) take the prefill kernel, which is causal after a context."""
-    if meta.max_decode_q_len == 1:
-        return triton_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                                       max_seq_len=meta.max_decode_seq_len or None)
-    return triton_prefill_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_cu_seqlens_q,
-                                    meta.decode_seq_lens, scale, max_query_len=meta.max_decode_q_len)
-
-
-def triton_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta,
-                           scale: float) -> Tensor:
-    """Drop-in for ``attention.paged_attention``: store this forward's K/V, then attend on the Triton kernels."""
-    from runtime.kernels.attention import write_kv
-
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    p = meta.num_prefill_tokens
-    if p == q.shape[0]:
-        return triton_prefill_group(q, k, v, k_cache, v_cache, meta, scale)
-    if p == 0:
-        return triton_decode_group(q, k_cache, v_cache, meta, scale)
-    return torch.cat([triton_prefill_group(q[:p], k[:p], v[:p], k_cache, v_cache, meta, scale),
-                      triton_decode_group(q[p:], k_cache, v_cache, meta, scale)])

@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor, nn
+from torch import Tensor
 
-from compress.qlinear import QuantLinear
 from compress.quant import Scheme, nf4_codebook
 
 
@@ -108,22 +107,3 @@ def triton_qmatmul(x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | 
         out += bias.to(out.dtype)
     return out.reshape(*lead, out_features)
 
-
-class TritonQuantLinear(nn.Module):
-    """A QuantLinear's packed buffers run by :func:`triton_qmatmul` (the engine's CUDA path for
-    ``runtime/kernels/qmatmul.prepare_linear``); computes what ``QuantLinear.forward`` computes."""
-
-    path = "triton"
-
-    def __init__(self, ql: QuantLinear):
-        super().__init__()
-        self.in_features, self.out_features, self.scheme = ql.in_features, ql.out_features, ql.scheme
-        self.register_buffer("qweight", ql.qweight.contiguous())
-        self.register_buffer("scales", ql.scales.contiguous())
-        self.register_buffer("qzeros", None if ql.qzeros is None else ql.qzeros.contiguous())
-        self.register_buffer("g_idx", None if ql.g_idx is None else ql.g_idx.to(torch.int32).contiguous())
-        self.register_buffer("bias", None if ql.bias is None else ql.bias.detach().clone())
-
-    def forward(self, x: Tensor) -> Tensor:
-        return triton_qmatmul(x, self.qweight, self.scales, self.qzeros, self.scheme, self.in_features, self.g_idx,
-                              self.bias)

@@ -169,8 +169,8 @@ def make_meta(prefill, decode, block_size, num_blocks, gen):
     ([(0, 9)], [(20, 3), (9, 1), (33, 5)]),  # mixed, with speculative verification (several queries)
 ])
 def test_paged_attention_matches_engine_reference(ta, hq, hkv, prefill, decode):
-    """The drop-in for runtime.kernels.attention.paged_attention: same outputs, same cache writes."""
-    from runtime.kernels.attention import paged_attention
+    """The engine's CUDA path (attention.triton_paged_attention, on these kernels) against its torch path."""
+    from runtime.kernels.attention import paged_attention, triton_paged_attention
 
     gen = torch.Generator().manual_seed(len(prefill) * 10 + len(decode) + hkv)
     d, block_size, num_blocks = 16, 4, 40
@@ -183,14 +183,7 @@ def test_paged_attention_matches_engine_reference(ta, hq, hkv, prefill, decode):
     vc = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(DEVICE)
     kc2, vc2 = kc.clone(), vc.clone()
     ref = paged_attention(q, k, v, kc, vc, meta, 0.25)
-    out = ta.triton_paged_attention(q, k, v, kc2, vc2, meta, 0.25)
+    out = triton_paged_attention(q, k, v, kc2, vc2, meta, 0.25)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
-
-def test_select_picks_reference_on_cpu():
-    from runtime.kernels.attention import paged_attention
-    from runtime.kernels.select import attention_fn, use_triton
-
-    assert not use_triton("cpu")
-    assert attention_fn("cpu") is paged_attention
