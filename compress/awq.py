@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,32 +65,48 @@ def _grouped(t: Tensor, scheme: Scheme) -> Tensor:
     return F.pad(t, (0, G * g - n)).reshape(rows, G, g)
 
 
+class Bounds(NamedTuple):
+    """Per (output row, group) clipping range ``[lo, hi]``, each ``[out, G]``."""
+
+    lo: Tensor
+    hi: Tensor
+
+
 @torch.inference_mode()
 def search_clip(x: Tensor, w: Tensor, scheme: Scheme, grid: int = 20, max_shrink: float = 0.5,
-                chunk: int = 256) -> Tensor:
-    """Per (output row, group) clipping bound ``[out, G]`` minimising each group's contribution to the
-    output error on sample inputs ``x: [n, in]``."""
+                chunk: int = 256) -> Bounds:
+    """Shrink each group's quantization range (min/max for asymmetric, +-absmax for symmetric) by the
+    factor in ``[1 - max_shrink, 1]`` that minimises the group's contribution to the output error on
+    sample inputs ``x: [n, in]``."""
     xg = _grouped(x.float(), scheme).permute(1, 0, 2)  # [G, n, g]
     wg_all = _grouped(w.float(), scheme)  # [out, G, g]
-    best_val = wg_all.abs().amax(dim=-1)  # [out, G]: no clipping
+    if scheme.sym or scheme.format == "nf4":
+        hi_all = wg_all.abs().amax(dim=-1)
+        lo_all = -hi_all
+    else:
+        lo_all, hi_all = wg_all.amin(dim=-1).clamp(max=0), wg_all.amax(dim=-1).clamp(min=0)
+    best_lo, best_hi = lo_all.clone(), hi_all.clone()
     for r0 in range(0, w.shape[0], chunk):  # rows in chunks bound the [G, n, rows] error tensor
-        wg = wg_all[r0:r0 + chunk]
-        full = best_val[r0:r0 + chunk].clone()
+        rows = slice(r0, r0 + chunk)
+        wg = wg_all[rows]
         best_err = None
         for k in range(int(grid * max_shrink) + 1):
-            bound = (full * (1 - k / grid))[..., None]  # [o, G, 1]
-            dq = fake_quantize_groups(torch.maximum(torch.minimum(wg, bound), -bound), scheme) - wg
+            f = 1 - k / grid
+            lo, hi = lo_all[rows] * f, hi_all[rows] * f
+            dq = fake_quantize_groups(torch.maximum(torch.minimum(wg, hi[..., None]), lo[..., None]), scheme) - wg
             err = torch.bmm(xg, dq.permute(1, 2, 0)).pow_(2).mean(dim=1).T  # [G, n, o] -> [o, G]
             if best_err is None:
                 best_err = err
                 continue
             better = err < best_err
             best_err = torch.where(better, err, best_err)
-            best_val[r0:r0 + chunk] = torch.where(better, bound[..., 0], best_val[r0:r0 + chunk])
-    return best_val
+            best_lo[rows] = torch.where(better, lo, best_lo[rows])
+            best_hi[rows] = torch.where(better, hi, best_hi[rows])
+    return Bounds(best_lo, best_hi)
 
 
-def clip_weight(w: Tensor, bound: Tensor, scheme: Scheme) -> Tensor:
-    """Clamp each (row, group) of ``w`` to ``[-bound, bound]``."""
-    b = bound.index_select(1, group_index(w.shape[1], scheme, w.device)).to(w.dtype)
-    return torch.clamp(w, -b, b)
+def clip_weight(w: Tensor, bounds: Bounds, scheme: Scheme) -> Tensor:
+    """Clamp each (row, group) of ``w`` to its ``[lo, hi]``."""
+    gi = group_index(w.shape[1], scheme, w.device)
+    lo, hi = (b.index_select(1, gi).to(w.dtype) for b in bounds)
+    return torch.maximum(torch.minimum(w, hi), lo)

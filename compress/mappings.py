@@ -29,7 +29,7 @@ class BlockMap:
 KEEP_FP = (r"(^|\.)lm_head$", r"\.gate$", r"shared_expert_gate$", r"\.router$")
 
 
-_ATTN_IN = Smooth("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+_ATTN_IN = Smooth("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn")
 _ATTN_OUT = Smooth("self_attn.v_proj", ("self_attn.o_proj",))
 _MLP_UP = ("mlp.gate_proj", "mlp.up_proj")
 _MLP_DOWN = Smooth("mlp.up_proj", ("mlp.down_proj",))

@@ -102,6 +102,20 @@ class _Sampler:
         self.abs_sum: dict[str, Tensor] = {}
         self.count: dict[str, int] = {}
         self.samples: dict[str, list[Tensor]] = {}
+        # whole batches entering the modules that judge a scale (attention needs full sequences)
+        tokens_per_batch = inputs.hidden[0].shape[0] * inputs.hidden[0].shape[1]
+        self.n_batches = max(1, min(len(inputs.hidden), -(-n_tokens // tokens_per_batch)))
+        self.module_inputs: dict[str, list[tuple[Tensor, dict]]] = {}
+
+    def module_hook(self, name: str):
+        def fn(module, args, kwargs):
+            calls = self.module_inputs.setdefault(name, [])
+            if len(calls) < self.n_batches:
+                kwargs = dict(kwargs)
+                hidden = args[0] if args else kwargs.pop("hidden_states")
+                calls.append((hidden.float(), {k: v for k, v in kwargs.items()
+                                               if k not in ("past_key_values", "past_key_value", "use_cache")}))
+        return fn
 
     def hook(self, name: str):
         def fn(module, args):
@@ -136,6 +150,9 @@ def _awq_block(cfg: QuantizeConfig, bmap: BlockMap, report: QuantizeReport):
         linears = target_linears(block, cfg.ignore)
         sampler = _Sampler(inputs, cfg.search_tokens, cfg.seed + i)
         handles = [m.register_forward_pre_hook(sampler.hook(n)) for n, m in linears.items()]
+        handles += [block.get_submodule(sm.inspect).register_forward_pre_hook(sampler.module_hook(sm.inspect),
+                                                                             with_kwargs=True)
+                    for sm in bmap.smooths if sm.inspect is not None]
         try:
             inputs.forward(block)
         finally:
@@ -157,9 +174,14 @@ def _awq_block(cfg: QuantizeConfig, bmap: BlockMap, report: QuantizeReport):
             else:
                 inspect = block.get_submodule(sm.inspect)
                 names = [f"{n[len(sm.inspect) + 1:]}.weight" for n in sm.linears]
+                batches = sampler.module_inputs[sm.inspect]
 
-                def forward(ws, x=x, inspect=inspect, names=names):
-                    return functional_call(inspect, dict(zip(names, ws)), (x[None],))[0]
+                def forward(ws, inspect=inspect, names=names, batches=batches):
+                    outs = []
+                    for h, kw in batches:
+                        out = functional_call(inspect, dict(zip(names, ws)), (h,), kw)
+                        outs.append(out[0] if isinstance(out, tuple) else out)
+                    return torch.cat(outs)
             with torch.inference_mode():
                 ref = forward([m.weight.data.float() for m in mods])
             res = awq.search_scale(sampler.x_mean(sm.linears[0]), [m.weight.data for m in mods], scheme, forward,

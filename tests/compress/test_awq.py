@@ -27,8 +27,9 @@ def test_clip_search_never_hurts_the_group_error():
     w = torch.randn(32, 96, generator=g) * 0.05
     w[0, 5] = 1.0  # one outlier weight stretches its group's range
     scheme = Scheme(3, 32, False)
-    bound = awq.search_clip(x, w, scheme, grid=20)
-    assert bound.shape == (32, 3)
-    clipped = rtn.quantize_weight(awq.clip_weight(w, bound, scheme), scheme).dequantize()
+    bounds = awq.search_clip(x, w, scheme, grid=20)
+    assert bounds.lo.shape == bounds.hi.shape == (32, 3)
+    assert (bounds.lo <= 0).all() and (bounds.hi >= 0).all()
+    clipped = rtn.quantize_weight(awq.clip_weight(w, bounds, scheme), scheme).dequantize()
     plain = rtn.quantize_weight(w, scheme).dequantize()
     assert (x @ (clipped - w).T).pow(2).mean() <= (x @ (plain - w).T).pow(2).mean()
