@@ -35,17 +35,19 @@ def weight_mean(weights: list[Tensor], scheme: Scheme) -> Tensor:
 def search_scale(x_mean: Tensor, weights: list[Tensor], scheme: Scheme,
                  forward: Callable[[list[Tensor]], Tensor], reference: Tensor, grid: int = 20,
                  duo: bool = True) -> ScaleResult:
-    """Grid over ``s = x_mean ** r`` (and, with ``duo``, ``x_mean ** r / w_mean ** (1 - r)``) for r in
-    [0, 1), minimising the MSE of ``forward`` with fake-quantized scaled weights against ``reference``."""
+    """Grid over r in [0, 1) of ``s = x_mean ** r`` (with ``duo``: ``x_mean ** r / w_mean ** (1 - r)``, as
+    AutoAWQ and llm-compressor do), minimising the MSE of ``forward`` with fake-quantized scaled weights
+    against ``reference``. r = 0 without duo is plain RTN, always a candidate."""
     x_mean = x_mean.float().clamp(min=1e-4)
     w_mean = weight_mean(weights, scheme).clamp(min=1e-4) if duo else None
     best = None
     base = None
     for k in range(grid):
         ratio = k / grid
-        candidates = [x_mean.pow(ratio)]
-        if w_mean is not None and k > 0:
-            candidates.append(x_mean.pow(ratio) / w_mean.pow(1 - ratio))
+        if w_mean is None or k == 0:
+            candidates = [x_mean.pow(ratio)]
+        else:
+            candidates = [x_mean.pow(ratio) / w_mean.pow(1 - ratio)]
         for s in candidates:
             s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1
             ws = [fake_quantize(w.float() * s, scheme) / s for w in weights]

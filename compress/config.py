@@ -38,7 +38,7 @@ class QuantizeConfig:
     static_groups: bool = False
     # awq
     grid: int = 20
-    duo_scaling: bool = True  # also search x_mean^r / w_mean^(1-r), as AutoAWQ and llm-compressor do
+    duo_scaling: bool = True  # search x_mean^r / w_mean^(1-r) (AutoAWQ, llm-compressor) instead of x_mean^r
     clip: bool = True
     search_tokens: int = 4096
     # fp linears kept as they are (regular expressions on module names)
