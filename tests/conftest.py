@@ -39,3 +39,14 @@ def calib_text(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "calib.txt"
     path.write_text("\n\n".join(paras))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smol_tokenizer):
+    """A tiny random Llama saved with the SmolLM2 tokenizer: a real model folder for CLI tests."""
+    from tiny_models import tiny_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    tiny_model("llama", vocab=len(smol_tokenizer)).save_pretrained(path)
+    smol_tokenizer.save_pretrained(path)
+    return path

@@ -8,16 +8,6 @@ from click.testing import CliRunner
 from cli import main
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smol_tokenizer):
-    from tiny_models import tiny_model
-
-    path = tmp_path_factory.mktemp("models") / "tiny-llama"
-    tiny_model("llama", vocab=len(smol_tokenizer)).save_pretrained(path)
-    smol_tokenizer.save_pretrained(path)
-    return path
-
-
 def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 

@@ -168,16 +168,6 @@ def test_conversion_composes_with_quantization(method, tmp_path):
         assert torch.equal(again(ids).logits, model(ids).logits)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smol_tokenizer):
-    from tiny_models import tiny_model
-
-    path = tmp_path_factory.mktemp("models") / "tiny-llama"
-    tiny_model("llama", vocab=len(smol_tokenizer)).save_pretrained(path)
-    smol_tokenizer.save_pretrained(path)
-    return path
-
-
 def _cli(*args):
     from click.testing import CliRunner
 
