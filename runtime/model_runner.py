@@ -48,6 +48,11 @@ class ModelRunner:
         self.model = build_model(ckpt, self.dtype, max_positions)
         self.config = self.model.config
         self.kernel_paths = qmatmul.prepare_model(self.model, quant_kernel, self.dtype, self.device.type)
+        self.num_prepacked = 0
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            self.num_prepacked = qmatmul.pack_dense_linears(self.model)
+            if self.num_prepacked and self.model.lm_head is None:  # tied head: pack a copy of the embedding
+                self.model.lm_head = qmatmul.MkldnnLinear(self.model.embed_tokens.weight, None)
         self.model.to(self.device)
         cfg = self.config
         shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)

@@ -68,13 +68,16 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
-def _decode_plan(meta: AttentionMetadata, block_size: int, device) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(gather index [D, L], visibility mask [D, 1, Q, L], padded-query index or None), once per forward."""
+def _decode_plan(meta: AttentionMetadata, dtype: torch.dtype, device) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(block ids [D * B], additive mask [D, 1, Q, B * block_size], padded-query rows or None), once per forward."""
     plan = meta.derived.get("decode")
     if plan is None:
         d, q = meta.num_decode_seqs, meta.max_decode_q_len
-        length = meta.max_decode_seq_len or int(meta.decode_seq_lens.max())
-        index = slots_of(meta.decode_block_tables, length, block_size)
+        tables = meta.decode_block_tables
+        block_size = meta.derived["block_size"]
+        width = -(-(meta.max_decode_seq_len or int(meta.decode_seq_lens.max())) // block_size)
+        blocks = tables[:, :width].reshape(-1).long()  # whole blocks are gathered; the mask hides the tail
+        length = width * block_size
         q_lens = torch.tensor(meta.decode_q_lens, device=device)
         seq_lens = meta.decode_seq_lens.to(device=device, dtype=torch.long)
         # query j of sequence b sits at position seq_len - q_len + j and sees keys up to it
@@ -85,13 +88,15 @@ def _decode_plan(meta: AttentionMetadata, block_size: int, device) -> tuple[Tens
         if any(n != q for n in meta.decode_q_lens):
             rows = torch.arange(d * q, device=device).view(d, q)
             pad = rows[torch.arange(q, device=device)[None, :] < q_lens[:, None]]  # real rows of the [D*Q] layout
-        plan = meta.derived["decode"] = (index, mask[:, None], pad)
+        bias = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+        plan = meta.derived["decode"] = (blocks, bias[:, None], pad)
     return plan
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     """Batched attention for the decode group: ``q: [sum(decode_q_lens), Hq, D]`` -> same shape."""
-    index, mask, pad = _decode_plan(meta, k_cache.shape[1], q.device)
+    meta.derived.setdefault("block_size", k_cache.shape[1])
+    blocks, mask, pad = _decode_plan(meta, q.dtype, q.device)
     nb, nq = meta.num_decode_seqs, meta.max_decode_q_len
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
@@ -100,8 +105,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
         full = q.new_zeros(nb * nq, hq, d)
         full.index_copy_(0, pad, q)
         q = full
-    k = k_cache.view(-1, hkv, d)[index]  # [D, L, Hkv, D]
-    v = v_cache.view(-1, hkv, d)[index]
+    # gather whole blocks (contiguous rows of block_size * Hkv * D): [D, L, Hkv, D]
+    k = k_cache.view(k_cache.shape[0], -1).index_select(0, blocks).view(nb, -1, hkv, d)
+    v = v_cache.view(v_cache.shape[0], -1).index_select(0, blocks).view(nb, -1, hkv, d)
     # fold each KV head's query heads into the query axis: [D, Q, Hkv, G, D] -> [D, Hkv, G*Q, D]
     qg = q.view(nb, nq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(nb, hkv, group * nq, d)
     m = mask if nq == 1 else mask.repeat(1, 1, group, 1)  # rows ordered (g, j): j = row % Q

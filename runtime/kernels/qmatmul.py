@@ -15,6 +15,11 @@ the rounding of its compute dtype):
 - ``dense``: the weight dequantized once into the compute dtype (exactly ``QuantLinear``'s numbers),
   for every other format (2/3-bit, nf4, grouped int8) and for ``quant_kernel="dequant"``.
 
+Plain (unquantized) linears of a bf16 model run as ``mkldnn``: the weight reordered once into oneDNN's
+blocked layout (``mkldnn._reorder_linear_weight``), which runs the same bf16 products as ``F.linear``
+faster (about 1.5x at batch 1, 1.4x at 32, one core of this AMX CPU). fp32 models keep ``F.linear``
+so their outputs stay bit-identical to transformers'.
+
 Nothing is re-quantized: the packed layouts are built from the stored integers, scales and zeros.
 """
 from __future__ import annotations
@@ -161,6 +166,44 @@ def prepare_linear(ql: QuantLinear, mode: str, dtype: torch.dtype) -> nn.Module:
     if path == "int8pack":
         return Int8PackedLinear(ql)
     return DenseLinear(ql, dtype)
+
+
+class MkldnnLinear(nn.Module):
+    """A bf16 weight prepacked for oneDNN (same products as ``F.linear``)."""
+
+    path = "mkldnn"
+
+    def __init__(self, weight: Tensor, bias: Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous(), None)
+        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def mkldnn_bf16_available() -> bool:
+    """Whether this torch/CPU runs prepacked bf16 linears (checked on a tiny example)."""
+    try:
+        lin = MkldnnLinear(torch.ones(16, 32), None)
+        return bool(lin(torch.ones(2, 32, dtype=torch.bfloat16)).eq(32).all())
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def pack_dense_linears(model: nn.Module) -> int:
+    """Swap every bf16 ``nn.Linear`` (and a tied bf16 LM head) for ``MkldnnLinear``; returns how many."""
+    if not mkldnn_bf16_available():
+        log.info("prepacked bf16 linears unavailable here; using F.linear")
+        return 0
+    n = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, MkldnnLinear(module.weight, module.bias))
+            n += 1
+    return n
 
 
 class TritonLinear(nn.Module):

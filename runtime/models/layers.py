@@ -66,14 +66,18 @@ class Rotary(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin ``[T, 1, D/2]`` in ``dtype`` for the given positions."""
-        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+        """``cos`` and signed ``sin`` as ``[T, 1, D]`` in ``dtype``: ``[c, c]`` and ``[-s, s]``."""
+        cos = self.cos.index_select(0, positions)
+        sin = self.sin.index_select(0, positions)
+        return torch.cat((cos, cos), -1).to(dtype)[:, None], torch.cat((-sin, sin), -1).to(dtype)[:, None]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x: [T, H, D]`` (first half real, second half imaginary)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate ``x: [T, H, D]`` (halves as real/imaginary parts, transformers' rotate_half layout).
+
+    ``x * [c, c] + [x2, x1] * [-s, s]`` is bit-for-bit ``x * cos + rotate_half(x) * sin``.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class ConcatLinear(nn.Module):

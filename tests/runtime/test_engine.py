@@ -188,3 +188,17 @@ def test_quantized_checkpoint_matches_transformers_with_the_same_quantlinears(tm
     ref = hf(torch.tensor([p])).logits[0, -1]
     got = packed.runner.forward([item])[0]
     assert (got - ref).norm() / ref.norm() < 2e-2
+
+
+def test_bfloat16_engine_tracks_fp32_logits(tiny_dirs):
+    """bf16 compute (prepacked oneDNN linears on CPU) stays within bf16 rounding of the fp32 model."""
+    from runtime.model_runner import ForwardItem
+
+    path, hf = tiny_dirs["llama"]
+    engine = Engine(EngineConfig(model=path, kv_cache_memory=1 << 22, dtype="bfloat16"))
+    p = prompts(hf.config.vocab_size, (23,), seed=8)[0]
+    got = engine.runner.forward([ForwardItem(p, 0, list(range(-(-len(p) // 16))), 1)])[0]
+    ref = hf(torch.tensor([p])).logits[0, -1]
+    assert (got - ref).norm() / ref.norm() < 3e-2
+    out = engine.generate([p], GREEDY)[0]
+    assert out.completion_tokens == N_NEW
