@@ -81,18 +81,25 @@ def nf4_codebook(device=None) -> Tensor:
     return torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device)
 
 
+def fp16_ceil(s: Tensor) -> Tensor:
+    """Round positive scales to the nearest float16 at or above them, so a group's range still fits in
+    ``maxq`` steps after rounding (rounding down would clip the top code by up to maxq * 2**-11 steps)."""
+    h = s.half()
+    return torch.where(h.float() < s, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+
+
 def find_params(w: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor | None]:
     """Scale (fp16) and zero (int, or None) for each row of ``w: [rows, k]`` treated as one group."""
     w = w.float()
     if scheme.format == "nf4":
         scale = w.abs().amax(dim=1)
-        return scale.clamp(min=MIN_SCALE).half(), None
+        return fp16_ceil(scale.clamp(min=MIN_SCALE)), None
     if scheme.sym:
         scale = w.abs().amax(dim=1) / (scheme.sym_zero - 1 if scheme.bits > 1 else 1)
-        return scale.clamp(min=MIN_SCALE).half(), None
+        return fp16_ceil(scale.clamp(min=MIN_SCALE)), None
     lo = w.amin(dim=1).clamp(max=0)
     hi = w.amax(dim=1).clamp(min=0)
-    scale = ((hi - lo) / scheme.maxq).clamp(min=MIN_SCALE).half()
+    scale = fp16_ceil(((hi - lo) / scheme.maxq).clamp(min=MIN_SCALE))
     zero = torch.round(-lo / scale.float()).clamp(0, scheme.maxq).to(torch.uint8)
     return scale, zero
 
@@ -179,12 +186,12 @@ def fake_quantize_groups(wg: Tensor, scheme: Scheme) -> Tensor:
         scale, _ = find_params(flat, one)
         return dequantize(quantize(flat, scale[:, None], None, one), scale[:, None], None, one).reshape(wg.shape)
     if scheme.sym:
-        s = (wg.abs().amax(-1, keepdim=True) / (scheme.sym_zero - 1)).clamp_(min=MIN_SCALE).half().float()
+        s = fp16_ceil((wg.abs().amax(-1, keepdim=True) / (scheme.sym_zero - 1)).clamp_(min=MIN_SCALE)).float()
         z = float(scheme.sym_zero)
     else:
         lo = wg.amin(-1, keepdim=True).clamp_(max=0)
         hi = wg.amax(-1, keepdim=True).clamp_(min=0)
-        s = ((hi - lo) / scheme.maxq).clamp_(min=MIN_SCALE).half().float()
+        s = fp16_ceil(((hi - lo) / scheme.maxq).clamp_(min=MIN_SCALE)).float()
         z = torch.round(-lo / s).clamp_(0, scheme.maxq)
     q = (wg / s).round_().add_(z).clamp_(0, scheme.maxq)
     return q.sub_(z).mul_(s)
