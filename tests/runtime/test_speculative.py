@@ -43,7 +43,7 @@ def test_greedy_speculation_is_token_identical(models, draft):
     spec = {"ngram": "ngram", "model": draft_dir, "self": target}[draft]
     ps = repetitive_prompts()
     engine = Engine(EngineConfig(model=target, kv_cache_memory=1 << 22, draft=spec, num_speculative_tokens=3,
-                                 block_size=4))
+                                 block_size=4, prompt_lookup_min=1))
     outs = engine.generate(ps, GREEDY)
     assert [o.token_ids for o in outs] == plain_outputs(target, ps)
     s = engine.stats()
