@@ -47,7 +47,8 @@ class EngineConfig:
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size={self.block_size} is out of range; use 1..1024 (16 is typical)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1, or None to size it from kv_cache_memory")
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1, "
+                             "or None to size it from kv_cache_memory")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory} bytes must be positive")
         if self.max_num_seqs < 1:

@@ -74,10 +74,13 @@ class Engine:
         per_block = sum(kv_bytes_per_block(m, c.block_size, c.dtype) for m in (mcfg, dcfg) if m)
         num_blocks = c.num_kv_blocks or c.kv_cache_memory // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no KV block ({per_block} bytes each); raise it")
+            raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no KV block "
+                             f"({per_block} bytes each); raise it")
         self.max_model_len = self._max_model_len(mcfg, dcfg, num_blocks)
-        runner = lambda ck: ModelRunner(ck, num_blocks, c.block_size, c.dtype, c.device, c.resolved_quant_kernel,  # noqa: E731
-                                        self.max_model_len + c.lookahead + 1, decode_q_len=1 + c.lookahead)
+        def runner(ck):
+            return ModelRunner(ck, num_blocks, c.block_size, c.dtype, c.device, c.resolved_quant_kernel,
+                               self.max_model_len + c.lookahead + 1, decode_q_len=1 + c.lookahead)
+
         self.runner = runner(ckpt)
         draft_runner = runner(dckpt) if dckpt else None
         del ckpt, dckpt  # the runners hold their own copies of the weights
@@ -104,10 +107,12 @@ class Engine:
         model_max, capacity = min(limits), num_blocks * c.block_size - c.lookahead
         if c.max_model_len is None:
             if capacity < 2:
-                raise ValueError(f"the KV pool ({num_blocks} blocks of {c.block_size}) is too small; raise kv_cache_memory")
+                raise ValueError(f"the KV pool ({num_blocks} blocks of {c.block_size}) is too small; "
+                                 "raise kv_cache_memory")
             return min(model_max, capacity)
         if c.max_model_len > model_max:
-            raise ValueError(f"max_model_len={c.max_model_len} exceeds the model's context of {model_max} tokens; lower it")
+            raise ValueError(f"max_model_len={c.max_model_len} exceeds the model's context of {model_max} tokens; "
+                             "lower it")
         if c.max_model_len > capacity:
             raise ValueError(f"max_model_len={c.max_model_len} does not fit the KV pool ({num_blocks} blocks of "
                              f"{c.block_size} tokens); raise kv_cache_memory/num_kv_blocks or lower max_model_len")
@@ -297,6 +302,7 @@ class Engine:
                 "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_queried_tokens": bm.queried_tokens,
                 "spec_drafted": spec.drafted if spec else 0, "spec_accepted": spec.accepted if spec else 0,
                 "num_preemptions": sched.num_preemptions, "num_steps": self.num_steps,
-                "prompt_tokens_total": self.prompt_tokens_total, "generation_tokens_total": self.generation_tokens_total,
+                "prompt_tokens_total": self.prompt_tokens_total,
+                "generation_tokens_total": self.generation_tokens_total,
                 "max_model_len": self.max_model_len,
             }

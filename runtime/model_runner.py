@@ -7,6 +7,7 @@ attention metadata; longer ones the per-sequence prefill group (see runtime/kern
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -90,16 +91,20 @@ class ModelRunner:
         q_pre = [len(items[i].token_ids) for i in pre]
         q_dec = [len(items[i].token_ids) for i in dec]
         seq_dec = [items[i].start + len(items[i].token_ids) for i in dec]
-        cu = lambda xs: torch.tensor([0] + torch.tensor(xs, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
         dev = self.device
+
+        def cu(lens: list[int]) -> Tensor:
+            return torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=dev)
+
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_prefill_tokens=sum(q_pre),
-            prefill_cu_seqlens_q=cu(q_pre).to(dev),
-            prefill_seq_lens=torch.tensor([items[i].start + len(items[i].token_ids) for i in pre], dtype=torch.int32, device=dev),
+            prefill_cu_seqlens_q=cu(q_pre),
+            prefill_seq_lens=torch.tensor([items[i].start + len(items[i].token_ids) for i in pre], dtype=torch.int32,
+                                          device=dev),
             prefill_block_tables=self._tables([items[i] for i in pre]).to(dev),
             prefill_q_lens=q_pre, prefill_ctx_lens=[items[i].start for i in pre],
-            decode_q_lens=q_dec, decode_cu_seqlens_q=cu(q_dec).to(dev),
+            decode_q_lens=q_dec, decode_cu_seqlens_q=cu(q_dec),
             decode_seq_lens=torch.tensor(seq_dec, dtype=torch.int32, device=dev),
             decode_block_tables=self._tables([items[i] for i in dec]).to(dev),
             max_decode_seq_len=max(seq_dec, default=0),

@@ -131,7 +131,8 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
             idx = slots_of(meta.prefill_block_tables[b:b + 1], ctx + n, block_size)[0]
             ki = k_cache.view(-1, hkv, d)[idx].transpose(0, 1)  # [Hkv, ctx + n, D]
             vi = v_cache.view(-1, hkv, d)[idx].transpose(0, 1)
-            mask = torch.arange(ctx + n, device=q.device)[None, :] <= torch.arange(ctx, ctx + n, device=q.device)[:, None]
+            keys, queries = torch.arange(ctx + n, device=q.device), torch.arange(ctx, ctx + n, device=q.device)
+            mask = keys[None, :] <= queries[:, None]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:start + n] = o.transpose(0, 1)
         start += n
@@ -159,8 +160,9 @@ def triton_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_c
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     p, outs = meta.num_prefill_tokens, []
     if p:
-        outs.append(triton_prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                                             meta.prefill_seq_lens, scale, max_query_len=max(meta.prefill_q_lens)))
+        outs.append(triton_prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables,
+                                             meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
+                                             max_query_len=max(meta.prefill_q_lens)))
     if q.shape[0] > p:
         if meta.max_decode_q_len == 1:
             outs.append(triton_decode_attention(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,

@@ -114,7 +114,8 @@ def test_stops_min_tokens_and_text(tiny_dirs, smol_tokenizer):
     out = engine.generate([p], SamplingParams(max_tokens=N_NEW, stop_token_ids=(ref[3],)))[0]
     assert out.finish_reason == "stop" and out.token_ids == ref[:ref.index(ref[3]) + 1]
     # min_tokens masks it until enough tokens exist
-    out = engine.generate([p], SamplingParams(max_tokens=N_NEW, min_tokens=5, stop_token_ids=(ref[0],), ignore_eos=True))[0]
+    params = SamplingParams(max_tokens=N_NEW, min_tokens=5, stop_token_ids=(ref[0],), ignore_eos=True)
+    out = engine.generate([p], params)[0]
     assert ref[0] not in out.token_ids[:5] and len(out.token_ids) >= 5
     # text equals the tokenizer's decoding; a stop string cuts it
     full = engine.generate([p], GREEDY)[0]

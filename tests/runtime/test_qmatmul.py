@@ -12,7 +12,9 @@ def random_qlinear(out_f, in_f, scheme, act_order=False, bias=False, seed=0):
     n_groups = scheme.n_groups(in_f)
     q = torch.randint(0, 2 ** scheme.bits, (out_f, in_f), generator=g).to(torch.uint8)
     scale = (torch.rand(out_f, n_groups, generator=g) * 0.02 + 0.001).half()
-    zero = torch.randint(0, 2 ** scheme.bits, (out_f, n_groups), generator=g).to(torch.uint8) if scheme.has_zeros else None
+    zero = None
+    if scheme.has_zeros:
+        zero = torch.randint(0, 2 ** scheme.bits, (out_f, n_groups), generator=g).to(torch.uint8)
     g_idx = None
     if act_order:
         perm = torch.randperm(in_f, generator=g)

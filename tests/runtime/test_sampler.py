@@ -29,8 +29,8 @@ def test_seeded_requests_are_reproducible_and_independent():
     logits = torch.zeros(2, 1000)
     a = [sampler.sample(logits[:1], [seq(SamplingParams(temperature=1.0, seed=5), "a")])[0] for _ in range(5)]
     sampler.release("a")
-    b = [sampler.sample(logits, [seq(SamplingParams(temperature=1.0, seed=5), "a"), seq(SamplingParams(temperature=1.0), "x")])[0]
-         for _ in range(5)]
+    pair = [seq(SamplingParams(temperature=1.0, seed=5), "a"), seq(SamplingParams(temperature=1.0), "x")]
+    b = [sampler.sample(logits, pair)[0] for _ in range(5)]
     assert a == b and len(set(a)) > 1
 
 
@@ -62,7 +62,8 @@ def test_stop_string_is_normalized():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(block_size=0), "block_size"), (dict(num_kv_blocks=0), "num_kv_blocks"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(block_size=0), "block_size"), (dict(num_kv_blocks=0), "num_kv_blocks"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device"), (dict(num_speculative_tokens=0), "num_speculative"),
     (dict(quant_kernel="fast"), "quant_kernel"), (dict(max_model_len=1), "max_model_len"), (dict(draft=""), "draft"),
 ])

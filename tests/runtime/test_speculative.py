@@ -57,8 +57,8 @@ def test_greedy_speculation_is_token_identical(models, draft):
 def test_speculation_under_preemption(models, draft):
     target, draft_dir = models
     ps = repetitive_prompts()
-    engine = Engine(EngineConfig(model=target, num_kv_blocks=14, block_size=4, draft="ngram" if draft == "ngram" else draft_dir,
-                                 num_speculative_tokens=3, max_num_seqs=4))
+    engine = Engine(EngineConfig(model=target, num_kv_blocks=14, block_size=4, num_speculative_tokens=3, max_num_seqs=4,
+                                 draft="ngram" if draft == "ngram" else draft_dir))
     outs = engine.generate(ps, GREEDY)
     assert [o.token_ids for o in outs] == plain_outputs(target, ps)
     assert engine.stats()["num_preemptions"] > 0
