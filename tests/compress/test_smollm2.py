@@ -8,7 +8,7 @@ import torch
 pytestmark = pytest.mark.slow
 
 # Held-out wiki, first 16 windows of 512 tokens. Measured: see BENCHMARKS.md (quantization table).
-MAX_WIKI_GAP = 0.25  # awq4 ppl may exceed the fp baseline by at most 25% (rtn4: ~31%)
+MAX_WIKI_GAP = 0.20  # measured 2026-12-02: awq4 +13% (64 windows), +14% (16); rtn4 +29%, +28%
 
 
 @torch.inference_mode()
