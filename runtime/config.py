@@ -16,11 +16,12 @@ class EngineConfig:
     ``draft="ngram"`` turns on prompt-lookup speculation (no second model).
     ``num_kv_blocks=None`` sizes the paged KV pool from ``kv_cache_memory`` bytes.
     ``max_model_len=None`` takes the model's context length, capped by the KV pool.
-    ``quant_kernel`` picks the matmul for quantized linears: ``"packed"`` runs torch's int4/int8
-    packed kernels straight from the integers (bf16 activations inside, so results carry bf16
-    rounding; formats without a kernel fall back to dequantized weights), ``"dequant"`` dequantizes
-    each weight once to ``dtype`` (bit-for-bit what ``QuantLinear.forward`` computes, at fp memory and
-    speed); ``"auto"`` is ``"packed"`` (2.2x faster at batch 1 on the 4-bit SmolLM2).
+    ``quant_kernel`` picks the matmul for quantized linears (runtime/kernels/qmatmul.py): ``"packed"``
+    runs torch's int4/int8 packed kernels straight from the integers (bf16 activations inside, so
+    results carry bf16 rounding; formats without a kernel fall back to dequantized weights); ``"auto"``
+    does the same for calls of a few rows and keeps a bf16 copy of each weight for larger calls
+    (prefill, batched decoding), where the packed kernels are slow; ``"dequant"`` dequantizes each
+    weight once to ``dtype`` (bit-for-bit what ``QuantLinear.forward`` computes, at fp memory and speed).
     Prompt lookup matches suffix n-grams of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens
     (on free-running text ``prompt_lookup_min=2`` wastes fewer verifications on CPU; 1 drafts more often).
     """
@@ -80,7 +81,3 @@ class EngineConfig:
     def lookahead(self) -> int:
         """KV slots reserved past the last token of a decoding sequence (the drafted tokens)."""
         return self.num_speculative_tokens if self.speculative else 0
-
-    @property
-    def resolved_quant_kernel(self) -> str:
-        return "packed" if self.quant_kernel == "auto" else self.quant_kernel

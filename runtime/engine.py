@@ -78,7 +78,7 @@ class Engine:
                              f"({per_block} bytes each); raise it")
         self.max_model_len = self._max_model_len(mcfg, dcfg, num_blocks)
         def runner(ck):
-            return ModelRunner(ck, num_blocks, c.block_size, c.dtype, c.device, c.resolved_quant_kernel,
+            return ModelRunner(ck, num_blocks, c.block_size, c.dtype, c.device, c.quant_kernel,
                                self.max_model_len + c.lookahead + 1, decode_q_len=1 + c.lookahead)
 
         self.runner = runner(ckpt)

@@ -66,5 +66,6 @@ def test_quantized_parity_with_quantlinear(smollm2, tmp_path):
     for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, GREEDY)):
         assert out.token_ids == hf_greedy(ref_model, tok, prompt)
     packed = Engine(EngineConfig(model=str(tmp_path / "q"), dtype="bfloat16"))
-    assert packed.runner.kernel_paths == {"int4pack": 4 * model.config.num_hidden_layers}
+    (path, count), = packed.runner.kernel_paths.items()
+    assert path.startswith("int4pack") and count == 4 * model.config.num_hidden_layers
     assert packed.generate(PROMPTS[:1], GREEDY)[0].completion_tokens == 64

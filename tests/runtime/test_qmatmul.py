@@ -78,3 +78,24 @@ def test_dequant_mode_is_exact_for_int4():
     assert kernel.path == "dense"
     x = torch.randn(3, 128)
     torch.testing.assert_close(kernel(x), ql(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme,small", [(Scheme(4, 64), "int4pack"), (Scheme(8, -1), "int8pack")])
+def test_auto_routes_small_calls_to_the_packed_kernel_and_large_ones_to_bf16(scheme, small):
+    from runtime.kernels.qmatmul import HybridLinear, mkldnn_bf16_available
+
+    if not mkldnn_bf16_available():
+        pytest.skip("no prepacked bf16 linears on this CPU/torch")
+    ql = random_qlinear(48, 256, scheme, bias=True)
+    kernel = prepare_linear(ql, "auto", torch.float32)
+    assert isinstance(kernel, HybridLinear) and kernel.path == f"{small}+mkldnn"
+    for m in (1, kernel.max_rows, kernel.max_rows + 1, 64):
+        x = torch.randn(m, 256)
+        ref = ql(x)
+        assert (kernel(x) - ref).norm() / ref.norm() < 1e-2
+    calls = []
+    kernel.small.register_forward_hook(lambda *a: calls.append("small"))
+    kernel.large.register_forward_hook(lambda *a: calls.append("large"))
+    kernel(torch.randn(1, 256))
+    kernel(torch.randn(2, 40, 256))
+    assert calls == ["small", "large"]

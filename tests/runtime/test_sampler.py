@@ -75,5 +75,3 @@ def test_engine_config_validation(kwargs, match):
 def test_engine_config_derived():
     assert EngineConfig(model="m").lookahead == 0
     assert EngineConfig(model="m", draft="ngram", num_speculative_tokens=3).lookahead == 3
-    assert EngineConfig(model="m").resolved_quant_kernel == "packed"
-    assert EngineConfig(model="m", quant_kernel="dequant").resolved_quant_kernel == "dequant"
