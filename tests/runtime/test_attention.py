@@ -109,3 +109,4 @@ def test_new_kv_lands_in_its_slots():
     paged_attention(q, k, v, k_cache, v_cache, meta, 1.0)
     torch.testing.assert_close(k_cache.view(-1, 2, 8)[meta.slot_mapping], k)
     torch.testing.assert_close(v_cache.view(-1, 2, 8)[meta.slot_mapping], v)
+
