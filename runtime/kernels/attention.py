@@ -108,9 +108,15 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
     # gather whole blocks (contiguous rows of block_size * Hkv * D): [D, L, Hkv, D]
     k = k_cache.view(k_cache.shape[0], -1).index_select(0, blocks).view(nb, -1, hkv, d)
     v = v_cache.view(v_cache.shape[0], -1).index_select(0, blocks).view(nb, -1, hkv, d)
+    if nq == 1:  # plain decoding: [D, Hq, D] already is [D, Hkv, G, D]; no copies
+        o = F.scaled_dot_product_attention(q.reshape(nb, hkv, group, d), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, scale=scale)
+        return o.reshape(nb, hq, d)
     # fold each KV head's query heads into the query axis: [D, Q, Hkv, G, D] -> [D, Hkv, G*Q, D]
     qg = q.view(nb, nq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(nb, hkv, group * nq, d)
-    m = mask if nq == 1 else mask.repeat(1, 1, group, 1)  # rows ordered (g, j): j = row % Q
+    m = meta.derived.get("grouped_mask")
+    if m is None:  # rows ordered (g, j): row g * Q + j uses query j's mask
+        m = meta.derived["grouped_mask"] = mask.repeat(1, 1, group, 1)
     o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m, scale=scale)
     o = o.view(nb, hkv, group, nq, d).permute(0, 3, 1, 2, 4).reshape(nb * nq, hq, d)
     return o if pad is None else o.index_select(0, pad)
