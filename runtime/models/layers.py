@@ -26,14 +26,15 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32 and not self.offset:  # one call, bit-identical to the lines below in fp32
+        # one fused call: bit-identical to transformers' fp32 arithmetic; in bf16 it rounds once
+        # (transformers rounds before the weight product too, so this is slightly closer to exact)
+        if not self.offset:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight + self.offset, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (xf * (self.offset + self.weight.float())).to(dtype)
-        return self.weight * xf.to(dtype)
+        return (xf * (self.offset + self.weight.float())).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
