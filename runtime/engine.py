@@ -77,6 +77,7 @@ class Engine:
             raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no KV block "
                              f"({per_block} bytes each); raise it")
         self.max_model_len = self._max_model_len(mcfg, dcfg, num_blocks)
+
         def runner(ck):
             return ModelRunner(ck, num_blocks, c.block_size, c.dtype, c.device, c.quant_kernel,
                                self.max_model_len + c.lookahead + 1, decode_q_len=1 + c.lookahead)
@@ -93,7 +94,7 @@ class Engine:
             self.speculator = SpeculativeDecoder(self.runner, self.sampler, self.max_model_len, proposer, draft_runner)
         self._inbox: collections.deque = collections.deque()
         self._lock = threading.Lock()  # guards the scheduler state against stats()/add_request readers
-        self._tok_lock = threading.Lock()  # HF tokenizers are not safe to call from two threads at once
+        self._tok_lock = threading.Lock()  # a HF tokenizer must not encode and decode in two threads at once
         self._live: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
@@ -102,9 +103,11 @@ class Engine:
 
     def _max_model_len(self, mcfg: ModelConfig, dcfg: ModelConfig | None, num_blocks: int) -> int:
         c = self.config
-        limits = [m.max_position_embeddings for m in (mcfg, dcfg) if m] + [m.sliding_window for m in (mcfg, dcfg)
-                                                                           if m and m.sliding_window]
-        model_max, capacity = min(limits), num_blocks * c.block_size - c.lookahead
+        models = [m for m in (mcfg, dcfg) if m]
+        # no sliding-window attention here: contexts stop at the window (full attention is exact up to it)
+        model_max = min([m.max_position_embeddings for m in models]
+                        + [m.sliding_window for m in models if m.sliding_window])
+        capacity = num_blocks * c.block_size - c.lookahead
         if c.max_model_len is None:
             if capacity < 2:
                 raise ValueError(f"the KV pool ({num_blocks} blocks of {c.block_size}) is too small; "
@@ -230,7 +233,8 @@ class Engine:
             if n > p.min_tokens:
                 return "stop"
         if self.tokenizer is not None:
-            new = detokenizer.decode_new_text(self.tokenizer, seq)
+            with self._tok_lock:
+                new = detokenizer.decode_new_text(self.tokenizer, seq)
             seq.output_text += new
             cut = detokenizer.find_stop(seq.output_text, len(new), p.stop) if n >= p.min_tokens else None
             if cut is not None:
