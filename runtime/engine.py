@@ -63,6 +63,8 @@ class Completion:
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = c = config
+        if c.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={c.device!r} but this torch sees no CUDA device; use device='cpu'")
         ckpt = open_checkpoint(c.model)
         self.tokenizer, self.eos_token_ids = ckpt.tokenizer, ckpt.eos_token_ids
         mcfg = ModelConfig.from_hf(ckpt.config)

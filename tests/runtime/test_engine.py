@@ -203,3 +203,9 @@ def test_bfloat16_engine_tracks_fp32_logits(tiny_dirs):
     assert (got - ref).norm() / ref.norm() < 3e-2
     out = engine.generate([p], GREEDY)[0]
     assert out.completion_tokens == N_NEW
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_cuda_without_a_device_is_refused(tiny_dirs):
+    with pytest.raises(ValueError, match="no CUDA device"):
+        Engine(EngineConfig(model=tiny_dirs["llama"][0], device="cuda"))
