@@ -36,6 +36,7 @@ class QuantizeConfig:
     block_size: int = 128
     act_order: bool = False
     static_groups: bool = False
+    mse: bool = False  # gptq: clip each group's grid to minimise H-diagonal-weighted rounding error
     # awq
     grid: int = 20
     duo_scaling: bool = True  # search x_mean^r / w_mean^(1-r) (AutoAWQ, llm-compressor) instead of x_mean^r
@@ -68,8 +69,9 @@ class QuantizeConfig:
             raise ValueError(f"damp={self.damp} must be in (0, 1), e.g. 0.01")
         if self.calib_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"calib_dtype={self.calib_dtype!r} must be float32 or bfloat16")
-        if self.act_order and self.method != "gptq":
-            raise ValueError("act_order applies to method gptq only")
+        for name in ("act_order", "static_groups", "mse"):
+            if getattr(self, name) and self.method != "gptq":
+                raise ValueError(f"{name} applies to method gptq only, not {self.method!r}")
         self._validate_training()
         object.__setattr__(self, "ignore", tuple(self.ignore))
 

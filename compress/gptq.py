@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from compress.quant import QuantizedWeight, Scheme, find_params
+from compress.quant import QuantizedWeight, Scheme, find_params, mse_params
 
 
 @dataclass
@@ -49,8 +49,10 @@ def _inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
 
 
 def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, damp: float = 0.01, block_size: int = 128,
-                    act_order: bool = False, static_groups: bool = False) -> GPTQResult:
-    """GPTQ of ``W: [out, in]`` against the Hessian ``H: [in, in]``; ragged last groups allowed."""
+                    act_order: bool = False, static_groups: bool = False, mse: bool = False) -> GPTQResult:
+    """GPTQ of ``W: [out, in]`` against the Hessian ``H: [in, in]``; ragged last groups allowed.
+    With ``mse`` each group's grid is the clipped range that minimises the Hessian-diagonal-weighted
+    rounding error (:func:`compress.quant.mse_params`) instead of its full min/max."""
     W = W.detach().float().clone()
     out_f, in_f = W.shape
     H = H.float().clone()
@@ -60,9 +62,12 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, damp: float = 0.01, bl
     g = scheme.group(in_f)
     n_groups = scheme.n_groups(in_f)
 
+    def params(w: Tensor, cols: Tensor | slice) -> tuple[Tensor, Tensor | None]:
+        return mse_params(w, scheme, H.diagonal()[cols]) if mse else find_params(w, scheme)
+
     static = None
     if static_groups:  # qparams per natural-order group, fixed before any update
-        static = [find_params(W[:, j * g:(j + 1) * g], scheme) for j in range(n_groups)]
+        static = [params(W[:, j * g:(j + 1) * g], slice(j * g, (j + 1) * g)) for j in range(n_groups)]
     perm = None
     if act_order:
         perm = torch.argsort(H.diagonal(), descending=True)
@@ -91,7 +96,7 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, damp: float = 0.01, bl
             elif col % g == 0:  # a new group starts: qparams from the error-updated weights
                 # columns [col, col+g): the rest of this block is in W1, anything beyond in W
                 group = torch.cat([W1[:, i:i + g], W[:, i2:col + g]], dim=1)
-                scale, zero = find_params(group, scheme)
+                scale, zero = params(group, slice(col, col + group.shape[1]))
                 scales[:, col // g] = scale
                 if zeros is not None:
                     zeros[:, col // g] = zero

@@ -86,7 +86,7 @@ def _gptq_block(cfg: QuantizeConfig, report: QuantizeReport):
         first_batch.clear()
         for name, lin in linears.items():
             res = gptq.quantize_weight(lin.weight.data, hessians[owner[name]].H, cfg.scheme, cfg.damp, cfg.block_size,
-                                       cfg.act_order, cfg.static_groups)
+                                       cfg.act_order, cfg.static_groups, cfg.mse)
             report.layers.append({"layer": i, "name": name, "loss": res.loss})
             _swap(block, name, lin, res.weight)
     return per_block

@@ -104,6 +104,35 @@ def find_params(w: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor | None]:
     return scale, zero
 
 
+def mse_params(w: Tensor, scheme: Scheme, col_weight: Tensor | None = None, grid: int = 100,
+               max_shrink: float = 0.8, norm: float = 2.4) -> tuple[Tensor, Tensor | None]:
+    """Like :func:`find_params`, but each row's range ``[lo, hi]`` is shrunk by the factor in
+    ``[1 - max_shrink, 1]`` (steps of ``1 / grid``) that minimises ``sum_j c_j |w_j - dq(w_j)|^norm``,
+    with ``c = col_weight`` (e.g. the Hessian diagonal; ones when None): the reference GPTQ's ``mse``
+    grid, optionally importance-weighted. Integer format only."""
+    if scheme.format != "int":
+        raise ValueError(f"mse_params needs format 'int', got {scheme.format!r}")
+    w = w.float()
+    c = torch.ones(w.shape[1]) if col_weight is None else col_weight.float().clamp(min=0)
+    best_s, best_z = find_params(w, scheme)
+    best_err = None
+    for k in range(int(grid * max_shrink) + 1):
+        p = 1 - k / grid
+        s, z = find_params(w * p, scheme)  # shrinking w by p shrinks its range by p (0 stays inside)
+        zf = float(scheme.sym_zero) if z is None else z.float()[:, None]
+        q = torch.clamp(torch.round(w / s.float()[:, None]) + zf, 0, scheme.maxq)
+        err = ((q - zf) * s.float()[:, None] - w).abs_().pow_(norm) @ c
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, s, best_s)
+        if z is not None:
+            best_z = torch.where(better, z, best_z)
+    return best_s, best_z
+
+
 def group_index(in_features: int, scheme: Scheme, device=None) -> Tensor:
     """The group of each input column when columns are in natural order (ragged last group)."""
     return torch.arange(in_features, device=device) // scheme.group(in_features)

@@ -25,10 +25,11 @@ def test_hessian_is_running_mean_of_2xtx():
 
 @pytest.mark.parametrize("scheme", [Scheme(4, 32, False), Scheme(4, 32, True), Scheme(3, 40, False),
                                     Scheme(2, -1, False), Scheme(8, -1, True)])
-@pytest.mark.parametrize("act_order,static", [(False, False), (True, False), (True, True)])
-def test_gptq_output_error_no_worse_than_rtn(scheme, act_order, static):
+@pytest.mark.parametrize("act_order,static,mse", [(False, False, False), (True, False, False), (True, True, False),
+                                                  (True, True, True), (False, False, True)])
+def test_gptq_output_error_no_worse_than_rtn(scheme, act_order, static, mse):
     x, w, h = _layer()
-    res = gptq.quantize_weight(w, h.H, scheme, act_order=act_order, static_groups=static, block_size=32)
+    res = gptq.quantize_weight(w, h.H, scheme, act_order=act_order, static_groups=static, block_size=32, mse=mse)
     err_gptq = (x @ (res.weight.dequantize() - w).T).pow(2).mean()
     err_rtn = (x @ (rtn.quantize_weight(w, scheme).dequantize() - w).T).pow(2).mean()
     assert err_gptq <= err_rtn
