@@ -100,7 +100,12 @@ def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
     check_finite(inputs.hidden, "entering block 0")
     for i, block in enumerate(layers):
         per_block(i, block, inputs)
+        cached = [m for m in block.modules() if hasattr(m, "cache_weight")]  # packed linears just swapped in
+        for m in cached:  # dequantize once for all batches, not once per batch
+            m.cache_weight()
         outputs = inputs.forward(block)
+        for m in cached:
+            m.cache_weight(False)
         check_finite(outputs, f"after block {i}")
         inputs = BlockInputs(outputs, inputs.kwargs, autocast)
         if progress:
