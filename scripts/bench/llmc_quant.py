@@ -50,7 +50,9 @@ def bake_fake_quant(model) -> int:
             continue
         zp = getattr(m, "weight_zero_point", None)
         g_idx = getattr(m, "weight_g_idx", None)
-        m.weight.data = fake_quantize(m.weight.data, m.weight_scale, zp, scheme.weights, g_idx=g_idx)
+        if g_idx is not None and (g_idx >= 0).all() and not torch.equal(g_idx, torch.arange(g_idx.numel()) // scheme.weights.group_size):
+            raise SystemExit("this compressed-tensors' fake_quantize takes no g_idx; run without group act-order")
+        m.weight.data = fake_quantize(m.weight.data, m.weight_scale, zp, scheme.weights)
         n += 1
     return n
 
@@ -69,7 +71,10 @@ def main():
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(torch.get_num_threads())
+    if not torch.cuda.is_available():  # llm-compressor 0.14 pins its activation cache, which needs a GPU
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     tokens = torch.load(a.tokens)
     calib = tokens["calib"]
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
