@@ -2,6 +2,8 @@
 import torch
 
 FAMILIES = ("llama", "qwen2", "mistral", "gemma", "qwen3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # 4 experts, top-2
+NUM_EXPERTS = 4
 
 
 def tiny_config(family: str, hidden: int = 64, vocab: int = 256, layers: int = 2):
@@ -19,6 +21,17 @@ def tiny_config(family: str, hidden: int = 64, vocab: int = 256, layers: int = 2
         return tf.GemmaConfig(**common, head_dim=hidden // 4, hidden_act="gelu_pytorch_tanh")
     if family == "qwen3":
         return tf.Qwen3Config(**common, head_dim=hidden // 4)
+    moe = {**common, "intermediate_size": 3 * hidden // 2, "num_experts_per_tok": 2}
+    if family == "mixtral":
+        return tf.MixtralConfig(**moe, num_local_experts=NUM_EXPERTS)
+    if family == "qwen2_moe":  # with its shared expert (and shared_expert_gate)
+        return tf.Qwen2MoeConfig(**moe, num_experts=NUM_EXPERTS, moe_intermediate_size=3 * hidden // 4,
+                                 shared_expert_intermediate_size=hidden)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**moe, num_experts=NUM_EXPERTS, moe_intermediate_size=3 * hidden // 4,
+                                 head_dim=hidden // 4)
+    if family == "olmoe":
+        return tf.OlmoeConfig(**moe, num_experts=NUM_EXPERTS)
     raise ValueError(family)
 
 

@@ -3,7 +3,7 @@ import logging
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import MOE_FAMILIES, NUM_EXPERTS, tiny_config, tiny_model
 
 from compress import moe, rtn
 from compress.calibrate import decoder_layers
@@ -14,30 +14,13 @@ from compress.pipeline import quantize_model
 from compress.qlinear import QuantLinear
 from compress.quant import Scheme
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-E = 4
-
-
-def moe_config(family: str):
-    import transformers as tf
-
-    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, num_experts_per_tok=2)
-    if family == "mixtral":
-        return tf.MixtralConfig(**common, num_local_experts=E)
-    if family == "qwen2_moe":
-        return tf.Qwen2MoeConfig(**common, num_experts=E, moe_intermediate_size=48, shared_expert_intermediate_size=64)
-    if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**common, num_experts=E, moe_intermediate_size=48, head_dim=16)
-    if family == "olmoe":
-        return tf.OlmoeConfig(**common, num_experts=E)
-    raise ValueError(family)
+E = NUM_EXPERTS
 
 
 def moe_model(family: str, seed: int = 0, experts_implementation: str | None = None):
     from transformers import AutoModelForCausalLM
 
-    cfg = moe_config(family)
+    cfg = tiny_config(family)
     if experts_implementation:
         cfg._experts_implementation = experts_implementation
     torch.manual_seed(seed)
