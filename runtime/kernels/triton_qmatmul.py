@@ -20,6 +20,35 @@ from compress.quant import Scheme, nf4_codebook
 
 
 @triton.jit
+def dequant_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, cb_ptr, offs_k, k_ok, offs_n, n_ok, group_size,
+                 stride_qn, stride_qw, stride_sn, stride_sg, stride_zn, stride_zg,
+                 BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, IS_NF4: tl.constexpr):
+    # the real-valued weight tile W.T[offs_k, offs_n] (fp32 [BK, BN], 0 outside k_ok x n_ok) of a packed
+    # linear; shared by the dense dequant-GEMM here and the grouped MoE GEMM (runtime/kernels/triton_moe.py)
+    kn_ok = k_ok[:, None] & n_ok[None, :]
+    PER_WORD: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    SYM_ZERO: tl.constexpr = 1 << (BITS - 1)
+    # each column k reads its word (k // PER_WORD) and shifts its own code down: [BK, BN]
+    words = tl.load(qw_ptr + offs_n[None, :] * stride_qn + (offs_k // PER_WORD)[:, None] * stride_qw,
+                    mask=kn_ok, other=0)
+    q = (words >> ((offs_k % PER_WORD) * BITS)[:, None]) & MASK
+    if HAS_GIDX:
+        g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0)
+    else:
+        g = offs_k // group_size
+    s = tl.load(s_ptr + offs_n[None, :] * stride_sn + g[:, None] * stride_sg, mask=kn_ok, other=0.0).to(tl.float32)
+    if IS_NF4:
+        w = tl.load(cb_ptr + q, mask=kn_ok, other=0.0) * s
+    elif HAS_ZEROS:
+        z = tl.load(z_ptr + offs_n[None, :] * stride_zn + g[:, None] * stride_zg, mask=kn_ok, other=0).to(tl.float32)
+        w = (q.to(tl.float32) - z) * s
+    else:
+        w = (q.to(tl.float32) - SYM_ZERO) * s
+    return tl.where(kn_ok, w, 0.0)
+
+
+@triton.jit
 def _qmatmul_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, cb_ptr, out_ptr,
     M, N, K, group_size,
@@ -27,9 +56,6 @@ def _qmatmul_kernel(
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, IS_NF4: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    PER_WORD: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    SYM_ZERO: tl.constexpr = 1 << (BITS - 1)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -40,24 +66,9 @@ def _qmatmul_kernel(
         k_ok = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-        kn_ok = k_ok[:, None] & n_ok[None, :]
-        # each column k reads its word (k // PER_WORD) and shifts its own code down: [BK, BN]
-        words = tl.load(qw_ptr + offs_n[None, :] * stride_qn + (offs_k // PER_WORD)[:, None] * stride_qw,
-                        mask=kn_ok, other=0)
-        q = (words >> ((offs_k % PER_WORD) * BITS)[:, None]) & MASK
-        if HAS_GIDX:
-            g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0)
-        else:
-            g = offs_k // group_size
-        s = tl.load(s_ptr + offs_n[None, :] * stride_sn + g[:, None] * stride_sg, mask=kn_ok, other=0.0).to(tl.float32)
-        if IS_NF4:
-            w = tl.load(cb_ptr + q, mask=kn_ok, other=0.0) * s
-        elif HAS_ZEROS:
-            z = tl.load(z_ptr + offs_n[None, :] * stride_zn + g[:, None] * stride_zg, mask=kn_ok, other=0).to(tl.float32)
-            w = (q.to(tl.float32) - z) * s
-        else:
-            w = (q.to(tl.float32) - SYM_ZERO) * s
-        w = tl.where(kn_ok, w, 0.0)
+        w = dequant_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, cb_ptr, offs_k, k_ok, offs_n, n_ok, group_size,
+                         stride_qn, stride_qw, stride_sn, stride_sg, stride_zn, stride_zg,
+                         BITS, HAS_ZEROS, HAS_GIDX, IS_NF4)
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -17,6 +17,7 @@ import sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import runtime.kernels.triton_attention as ta
+import runtime.kernels.triton_moe as tm
 import runtime.kernels.triton_qmatmul as tq
 
 target = GPUTarget("cuda", int(sys.argv[1]), 32)
@@ -33,6 +34,15 @@ def qmm(dt, m, bits, zeros, gidx, nf4):
     compile_kernel(tq._qmatmul_kernel, types, dict(BITS=bits, HAS_ZEROS=zeros, HAS_GIDX=gidx, IS_NF4=nf4,
                    DOT_PRECISION="ieee" if dt == "fp32" else "tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk))
 
+def moe(dt, m, quant, bits=4, zeros=True, gidx=False, nf4=False):
+    bm, bn, bk = tq.block_sizes(m, {"fp16": tq.torch.float16, "bf16": tq.torch.bfloat16, "fp32": tq.torch.float32}[dt])
+    types = dict(x_ptr=f"*{dt}", rows_ptr="*i64", tile_expert_ptr="*i32", tile_start_ptr="*i32", expert_end_ptr="*i32",
+                 w_ptr="*i32" if quant else f"*{dt}", s_ptr="*fp16", z_ptr="*u8", gidx_ptr="*i32", cb_ptr="*fp32",
+                 out_ptr=f"*{dt}")
+    compile_kernel(tm._grouped_kernel, types, dict(GATHER=True, QUANT=quant, BITS=bits, HAS_ZEROS=zeros,
+                   HAS_GIDX=gidx, IS_NF4=nf4, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
+                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk))
+
 def attention(dt, group, head_dim, max_q):
     bd = triton.next_power_of_2(head_dim)
     prec = "ieee" if dt == "fp32" else "tf32"
@@ -48,9 +58,13 @@ def attention(dt, group, head_dim, max_q):
 
 qmm("fp16", 1, 4, True, False, False)
 attention("fp16", 3, 64, 512)   # SmolLM2-135M: 9 query heads over 3 KV heads of dim 64
+moe("fp16", 8, True)            # w4a16 grouped MoE GEMM
+moe("fp16", 8, False)           # fp experts
 if sys.argv[2] == "all":
     qmm("bf16", 300, 4, False, True, False)
     qmm("fp32", 300, 3, False, False, True)
+    moe("bf16", 300, True, 4, False, True)
+    moe("fp32", 300, True, 4, False, False, True)
     attention("bf16", 1, 128, 8)
     attention("fp32", 4, 80, 100)
 '''
@@ -81,12 +95,12 @@ needs_ptxas = pytest.mark.skipif(_ptxas() is None, reason="this Triton install h
 
 @needs_ptxas
 def test_kernels_compile_for_hopper(tmp_path):
-    """fp16 (the serving dtype): the dequant-GEMM and the three attention kernels."""
-    assert _compile("fp16", tmp_path).count(" ok") == 4
+    """fp16 (the serving dtype): the dequant-GEMM, the three attention kernels, the grouped MoE GEMM (int4, fp)."""
+    assert _compile("fp16", tmp_path).count(" ok") == 6
 
 
 @needs_ptxas
 @pytest.mark.slow
 def test_every_dtype_and_variant_compiles(tmp_path):
     """bf16 and fp32 too, act-order g_idx, nf4, 3-bit, MQA, head_dim 128 and a non-power-of-two 80."""
-    assert _compile("all", tmp_path).count(" ok") == 12
+    assert _compile("all", tmp_path).count(" ok") == 16
