@@ -16,6 +16,7 @@ from torch import Tensor
 
 from runtime.kernels import qmatmul
 from runtime.kernels.attention import AttentionMetadata, triton_paged_attention
+from runtime.kernels.moe import prepare_experts
 from runtime.models.llama import ModelConfig
 from runtime.models.loader import Checkpoint, build_model
 
@@ -49,6 +50,7 @@ class ModelRunner:
         self.model = build_model(ckpt, self.dtype, max_positions)
         self.config = self.model.config
         self.kernel_paths = qmatmul.prepare_model(self.model, quant_kernel, self.dtype, self.device.type)
+        self.kernel_paths.update(prepare_experts(self.model, quant_kernel, self.device.type))
         self.num_prepacked = 0
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             self.num_prepacked = qmatmul.pack_dense_linears(self.model)

@@ -1,7 +1,10 @@
-"""The runtime's decoder for the Llama family (llama, mistral, qwen2, qwen3, gemma).
+"""The runtime's decoder for the Llama family (llama, mistral, qwen2, qwen3, gemma) and its
+mixture-of-experts relatives (mixtral, qwen2_moe, qwen3_moe, olmoe).
 
 The families differ only in data (``ARCHS``, keyed by ``config.model_type``): Qwen3 normalizes q and k
-per head before RoPE, Gemma scales embeddings by sqrt(hidden) and stores RMSNorm weights as ``w - 1``.
+per head before RoPE, OLMoE over the whole q and k projections (and may clip q/k/v to ``clip_qkv``),
+Gemma scales embeddings by sqrt(hidden) and stores RMSNorm weights as ``w - 1``; MoE families replace
+the MLP of their sparse layers by runtime/models/moe.py's ``SparseMoE``, configured by ``Arch.moe``.
 Biases follow the checkpoint (Qwen2's q/k/v biases are simply present there). The forward takes
 token ids, positions and the attention metadata explicitly: ``model(input_ids, positions, meta)``
 returns final hidden states ``[T, hidden]``; ``compute_logits`` runs the LM head on the rows that
@@ -19,24 +22,31 @@ from torch import Tensor, nn
 
 from runtime.kernels.attention import AttentionMetadata, paged_attention
 from runtime.models.layers import ACTIVATIONS, RMSNorm, Rotary, apply_rope
+from runtime.models.moe import MoEArch, MoEConfig, SparseMoE
 
 
 @dataclass(frozen=True)
 class Arch:
     """What one model family does differently from Llama."""
 
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    qk_norm: str = ""  # RMSNorm on q and k before RoPE: "head" per head (Qwen3), "proj" whole projection (OLMoE)
     norm_offset: float = 0.0  # RMSNorm multiplies by (offset + w) (Gemma: 1)
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     default_act: str = "silu"
+    moe: MoEArch | None = None  # mixture-of-experts MLP (runtime/models/moe.py)
 
 
 ARCHS = {
     "llama": Arch(),
     "mistral": Arch(),
     "qwen2": Arch(),
-    "qwen3": Arch(qk_norm=True),
+    "qwen3": Arch(qk_norm="head"),
     "gemma": Arch(norm_offset=1.0, embed_scale=True, default_act="gelu_pytorch_tanh"),
+    "mixtral": Arch(moe=MoEArch(intermediate_key="intermediate_size", always_renormalize=True, fp32_weights=True,
+                                legacy_block="block_sparse_moe", legacy_names=("w1", "w3", "w2"))),
+    "qwen2_moe": Arch(moe=MoEArch(shared_expert=True, sparse_step=True)),
+    "qwen3_moe": Arch(qk_norm="head", moe=MoEArch(sparse_step=True)),
+    "olmoe": Arch(qk_norm="proj", moe=MoEArch(intermediate_key="intermediate_size")),
 }
 
 
@@ -59,6 +69,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     act: str
     sliding_window: int | None = None
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv]
+    moe: MoEConfig | None = None
 
     @property
     def arch(self) -> Arch:
@@ -76,6 +88,7 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise ValueError(f"activation {act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        moe = ARCHS[model_type].moe
         return cls(
             model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
@@ -85,7 +98,8 @@ class ModelConfig:
             rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", model_type == "gemma"),
-            act=act, sliding_window=window,
+            act=act, sliding_window=window, clip_qkv=cfg.get("clip_qkv"),
+            moe=MoEConfig.from_hf(moe, cfg, cfg["num_hidden_layers"]) if moe else None,
         )
 
 
@@ -99,18 +113,26 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj: nn.Module = nn.Identity()  # [T, hidden] -> [T, (Hq + 2 Hkv) * D], set by the loader
         self.o_proj: nn.Module = nn.Identity()
-        norm = cfg.arch.qk_norm
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype) if norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype) if norm else None
+        norm, d = cfg.arch.qk_norm, cfg.head_dim
+        self.norm_proj, self.clip = norm == "proj", cfg.clip_qkv
+        q_dim, k_dim = (cfg.num_heads * d, cfg.num_kv_heads * d) if self.norm_proj else (d, d)
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, dtype=dtype) if norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, dtype=dtype) if norm else None
         self.k_cache: Tensor | None = None  # [num_blocks, block_size, Hkv, D], set by the runner
         self.v_cache: Tensor | None = None
         self.attn_fn: AttentionFn = paged_attention
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if self.norm_proj:  # OLMoE: normalize the whole q and k projections, then clip
+            q, k, v = qkv.split([hq * self.head_dim, hkv * self.head_dim, hkv * self.head_dim], dim=-1)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        if self.clip is not None:
+            qkv = qkv.clamp(-self.clip, self.clip)
+        qkv = qkv.view(t, hq + 2 * hkv, self.head_dim)
         v = qkv[:, hq + hkv:]
-        if self.q_norm is None:
+        if self.q_norm is None or self.norm_proj:
             qk = apply_rope(qkv[:, :hq + hkv], cos, sin)  # q and k heads rotated together
             q, k = qk[:, :hq], qk[:, hq:]
         else:
@@ -133,13 +155,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int):
         super().__init__()
         off = cfg.arch.norm_offset
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off, dtype)
         self.self_attn = Attention(cfg, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off, dtype)
-        self.mlp = MLP(cfg)
+        moe = cfg.moe
+        if moe is not None and index in moe.sparse_layers:
+            shared = MLP(cfg) if moe.shared_intermediate_size else None
+            self.mlp: nn.Module = SparseMoE(moe, cfg.hidden_size, ACTIVATIONS[cfg.act], shared)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
@@ -154,7 +181,7 @@ class DecoderLM(nn.Module):
         self.config, self.dtype = cfg, dtype
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_offset, dtype)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
         self.lm_head: nn.Module | None = None  # None: tied to embed_tokens
@@ -177,3 +204,6 @@ class DecoderLM(nn.Module):
 
     def attention_modules(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers]
+
+    def moe_modules(self) -> list[SparseMoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]

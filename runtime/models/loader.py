@@ -5,6 +5,13 @@ Quantized linears are rebuilt as ``compress.qlinear.QuantLinear`` straight from 
 (``config.json`` ``quantization_config.modules`` names each one); nothing is dequantized here. q/k/v
 and gate/up are fused into one linear each when their formats allow (plain weights, or identical
 quantization schemes without act-order), by concatenating output rows; otherwise they run side by side.
+
+Mixture-of-experts layers (runtime/models/moe.py) read their experts in any of three layouts: packed
+integers (``quantization_config.moe``, compress/moe_packed.py's ``PackedLinears``, kept packed), fused
+fp ``mlp.experts.gate_up_proj [E, 2I, H]``/``down_proj [E, H, I]`` (transformers 5's modules), or the
+per-expert linears hub checkpoints hold (and transformers 5 writes back on save:
+``mlp.experts.{e}.gate_proj.weight``..., Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``...),
+stacked here once. The router (``mlp.gate.weight``) stays fp32.
 """
 from __future__ import annotations
 
@@ -16,9 +23,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from compress.moe_packed import PackedLinears
 from compress.qlinear import QuantLinear
 from runtime.models.layers import ConcatLinear
 from runtime.models.llama import DecoderLM, ModelConfig
+from runtime.kernels.moe import StackedLinears
+from runtime.models.moe import MoEArch, SparseMoE
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +41,7 @@ class Checkpoint:
     config: dict
     tensors: dict[str, Tensor]
     quant_modules: dict[str, dict] = field(default_factory=dict)
+    quant_experts: dict[str, dict] = field(default_factory=dict)  # packed MoE experts (quantization_config.moe)
     tokenizer: object | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -73,18 +84,18 @@ def open_checkpoint(spec: str) -> Checkpoint:
         hf = _load_gguf(src, torch.float32)
         gen = getattr(hf, "generation_config", None)
         cfg = hf.config.to_dict()
-        return Checkpoint(src.name, cfg, dict(hf.state_dict()), {}, tokenizer,
+        return Checkpoint(src.name, cfg, dict(hf.state_dict()), {}, {}, tokenizer,
                           _eos_ids(getattr(gen, "eos_token_id", None), cfg.get("eos_token_id"), tok_eos))
     cfg = json.loads((src.path / "config.json").read_text())
-    quant: dict[str, dict] = {}
+    qc: dict = {}
     if src.quantized:
         from compress.checkpoint import read_quantization_config
 
-        quant = read_quantization_config(src.path)["modules"]
+        qc = read_quantization_config(src.path)
     gen_file = src.path / "generation_config.json"
     gen_eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.is_file() else None
-    return Checkpoint(src.name, cfg, _read_safetensors(src.path), quant, tokenizer,
-                      _eos_ids(gen_eos, cfg.get("eos_token_id"), tok_eos))
+    return Checkpoint(src.name, cfg, _read_safetensors(src.path), qc.get("modules", {}), qc.get("moe", {}),
+                      tokenizer, _eos_ids(gen_eos, cfg.get("eos_token_id"), tok_eos))
 
 
 def _linear(ckpt: Checkpoint, name: str, in_f: int, out_f: int, dtype: torch.dtype) -> nn.Module:
@@ -149,6 +160,67 @@ def _copy(param: Tensor, t: Tensor, name: str) -> None:
     param.data.copy_(t)
 
 
+def load_mlp(ckpt: Checkpoint, mlp: nn.Module, p: str, hidden: int, inter: int, dtype: torch.dtype) -> None:
+    """A gated MLP's linears from ``{p}gate_proj``/``up_proj``/``down_proj`` (gate and up fused when possible)."""
+    mlp.gate_up_proj = fuse([_linear(ckpt, p + "gate_proj", hidden, inter, dtype),
+                             _linear(ckpt, p + "up_proj", hidden, inter, dtype)])
+    mlp.down_proj = _linear(ckpt, p + "down_proj", inter, hidden, dtype)
+
+
+def _fp_experts(ckpt: Checkpoint, p: str, arch: MoEArch, num_experts: int) -> tuple[Tensor, Tensor]:
+    """fp experts of the layer at prefix ``p`` as ``(gate_up [E, 2I, H], down [E, H, I])``, fused or per expert."""
+    t = ckpt.tensors
+    if p + "mlp.experts.gate_up_proj" in t:
+        return t[p + "mlp.experts.gate_up_proj"], t[p + "mlp.experts.down_proj"]
+    gate, up, down = arch.legacy_names
+    e0 = f"{p}{arch.legacy_block}.experts.{{}}.{{}}.weight"
+    if e0.format(0, gate) not in t:
+        raise ValueError(f"checkpoint {ckpt.name} has no experts for {p}mlp: neither mlp.experts.gate_up_proj nor "
+                         f"{e0.format(0, gate)}")
+    experts = range(num_experts)
+    return (torch.stack([torch.cat([t[e0.format(e, gate)], t[e0.format(e, up)]]) for e in experts]),
+            torch.stack([t[e0.format(e, down)] for e in experts]))
+
+
+def _packed(ckpt: Checkpoint, name: str, entry: dict, in_f: int, out_f: int) -> PackedLinears:
+    """``E`` packed quantized linears ``name`` (``qweight``/``scales``/``qzeros``/``g_idx`` [E, ...]), kept packed."""
+    from compress.checkpoint import scheme_of
+
+    m = PackedLinears(entry["num_experts"], in_f, out_f, scheme_of(entry), entry.get("act_order", False))
+    t = ckpt.tensors
+    m.load_state_dict({k: t[f"{name}.{k}"] for k in ("qweight", "scales", "qzeros", "g_idx") if f"{name}.{k}" in t},
+                      strict=True)
+    return m
+
+
+def load_moe(ckpt: Checkpoint, moe: SparseMoE, p: str, arch: MoEArch, dtype: torch.dtype) -> None:
+    """Router, experts (packed or fp) and shared expert of the MoE layer at prefix ``p``."""
+    t, cfg = ckpt.tensors, moe.cfg
+    h, n_e, inter = moe.router.shape[1], cfg.num_experts, cfg.intermediate_size
+    router = p + "mlp.gate.weight"
+    if router not in t:
+        router = f"{p}{arch.legacy_block}.gate.weight"
+    _copy(moe.router, t[router].float(), router)
+    experts = p + "mlp.experts"
+    if experts in ckpt.quant_experts:
+        entry = ckpt.quant_experts[experts]
+        got = (entry["num_experts"], entry["hidden_size"], entry["intermediate_size"])
+        if got != (n_e, h, inter):
+            raise ValueError(f"quantization_config.moe[{experts!r}] records (experts, hidden, intermediate) = {got}, "
+                             f"the model config {(n_e, h, inter)}")
+        moe.gate_up_proj = _packed(ckpt, experts + ".gate_up_proj", entry, h, 2 * inter)
+        moe.down_proj = _packed(ckpt, experts + ".down_proj", entry, inter, h)
+    else:
+        gate_up, down = _fp_experts(ckpt, p, arch, n_e)
+        for name, w, shape in (("gate_up_proj", gate_up, (n_e, 2 * inter, h)), ("down_proj", down, (n_e, h, inter))):
+            if tuple(w.shape) != shape:
+                raise ValueError(f"{experts}.{name} has shape {tuple(w.shape)}, the config implies {shape}")
+        moe.gate_up_proj, moe.down_proj = StackedLinears(gate_up.to(dtype)), StackedLinears(down.to(dtype))
+    if moe.shared_expert is not None:
+        load_mlp(ckpt, moe.shared_expert, p + "mlp.shared_expert.", h, cfg.shared_intermediate_size, dtype)
+        moe.shared_expert_gate = _linear(ckpt, p + "mlp.shared_expert_gate", h, 1, dtype)
+
+
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, max_positions: int) -> DecoderLM:
     """The runtime's model with the checkpoint's weights (quantized linears stay QuantLinear)."""
     cfg = ModelConfig.from_hf(ckpt.config)
@@ -167,9 +239,10 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, max_positions: int) -> Dec
         if att.q_norm is not None:
             _copy(att.q_norm.weight, t[p + "self_attn.q_norm.weight"], p + "self_attn.q_norm.weight")
             _copy(att.k_norm.weight, t[p + "self_attn.k_norm.weight"], p + "self_attn.k_norm.weight")
-        layer.mlp.gate_up_proj = fuse([_linear(ckpt, p + "mlp.gate_proj", h, inter, dtype),
-                                       _linear(ckpt, p + "mlp.up_proj", h, inter, dtype)])
-        layer.mlp.down_proj = _linear(ckpt, p + "mlp.down_proj", inter, h, dtype)
+        if isinstance(layer.mlp, SparseMoE):
+            load_moe(ckpt, layer.mlp, p, cfg.arch.moe, dtype)
+        else:
+            load_mlp(ckpt, layer.mlp, p + "mlp.", h, inter, dtype)
         _copy(layer.input_layernorm.weight, t[p + "input_layernorm.weight"], p + "input_layernorm.weight")
         _copy(layer.post_attention_layernorm.weight, t[p + "post_attention_layernorm.weight"],
               p + "post_attention_layernorm.weight")

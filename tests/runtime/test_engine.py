@@ -1,4 +1,4 @@
-"""The engine against transformers' generate, on tiny random models of each family (fp32, greedy)."""
+"""The engine against transformers' generate, on tiny random models of each family (fp32, greedy), dense and MoE."""
 import threading
 
 import pytest
@@ -8,7 +8,7 @@ from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.sequence import SamplingParams
 from tiny_engine import hf_greedy, prompts, save_tiny
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, MOE_FAMILIES
 
 N_NEW = 12
 GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
@@ -18,14 +18,14 @@ GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
 def tiny_dirs(tmp_path_factory, smol_tokenizer):
     """family -> (folder, HF model), each with the SmolLM2 tokenizer and vocab_size=len(tokenizer)."""
     out = {}
-    for fam in FAMILIES:
+    for fam in FAMILIES + MOE_FAMILIES:
         path = tmp_path_factory.mktemp(fam)
         out[fam] = (str(path), save_tiny(fam, path, smol_tokenizer))
     return out
 
 
 @pytest.mark.parametrize("chunk", [2048, 8])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_greedy_matches_transformers(tiny_dirs, family, chunk):
     path, hf = tiny_dirs[family]
     engine = Engine(EngineConfig(model=path, kv_cache_memory=1 << 24, max_num_batched_tokens=chunk, block_size=8))
@@ -189,6 +189,37 @@ def test_quantized_checkpoint_matches_transformers_with_the_same_quantlinears(tm
     ref = hf(torch.tensor([p])).logits[0, -1]
     got = packed.runner.forward([item])[0]
     assert (got - ref).norm() / ref.norm() < 2e-2
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_compress_quantized_moe_matches_the_torch_quantized_model(tiny_dirs, tmp_path, calib_text, family, method):
+    """A `compress quantize` MoE folder (packed experts) served by the engine gives the greedy tokens of the
+    same folder loaded by compress's own loader (transformers with QuantLinear and PackedMoEExperts)."""
+    from compress.checkpoint import load_quantized
+    from compress.config import QuantizeConfig
+    from compress.moe_packed import PackedMoEExperts
+    from compress.pipeline import quantize_to_folder
+
+    out = tmp_path / "q"
+    cfg = QuantizeConfig(method=method, bits=4, group_size=32, calib=str(calib_text), nsamples=8, seqlen=64,
+                         search_tokens=256)
+    quantize_to_folder(tiny_dirs[family][0], cfg, str(out))
+    ref = load_quantized(out)
+    assert all(isinstance(layer.mlp.experts, PackedMoEExperts) for layer in ref.model.layers)
+    ps = prompts(ref.config.vocab_size, (6, 19), seed=9)
+    refs = [hf_greedy(ref, p, N_NEW) for p in ps]
+    exact = Engine(EngineConfig(model=str(out), kv_cache_memory=1 << 22, quant_kernel="dequant"))
+    assert exact.runner.kernel_paths["experts-dequant"] == ref.config.num_hidden_layers
+    assert [o.token_ids for o in exact.generate(ps, GREEDY)] == refs
+    for moe in exact.runner.model.moe_modules():  # experts packed again: dequantized per call, same numbers
+        moe.gate_up_proj.cache_weight(False)
+        moe.down_proj.cache_weight(False)
+    assert [o.token_ids for o in exact.generate(ps, GREEDY)] == refs
+    # the default kernels keep the experts packed (dense linears take the bf16 packed kernels: not bit-exact)
+    auto = Engine(EngineConfig(model=str(out), kv_cache_memory=1 << 22))
+    assert auto.runner.kernel_paths["experts-packed"] == ref.config.num_hidden_layers
+    assert auto.generate(ps[:1], GREEDY)[0].completion_tokens == N_NEW
 
 
 def test_bfloat16_engine_tracks_fp32_logits(tiny_dirs):

@@ -25,7 +25,7 @@ def save_tiny(family: str, path, tokenizer=None, seed: int = 0, weight_std: floa
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
+            if p.dim() >= 2 and "embed" not in name:  # linears, and fused 3D experts of MoE models
                 p.copy_(torch.randn(p.shape, generator=g) * weight_std)
             elif "norm" in name:  # away from 1 (or 0 for Gemma's 1 + w), so a wrong norm form shows
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
