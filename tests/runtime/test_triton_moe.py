@@ -96,3 +96,22 @@ def test_half_precision_activations(tm):
     gen = torch.Generator().manual_seed(9)
     gate_up, down = _packed(2 * I, H, Scheme(4, 16), False, gen), _packed(H, I, Scheme(4, 16), False, gen)
     _check(tm, gate_up, down, 5, 2, seed=9, dtype=torch.float16, tol=5e-3)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_runner_selects_triton_experts_on_cuda(tm, family):
+    """prepare_experts routes every MoE layer to the Triton kernel on CUDA; the model's outputs stay those of
+    the torch experts path (run here through the interpreter)."""
+    from test_sparse_moe import hf_moe, runtime_model
+
+    from runtime.kernels.moe import prepare_experts, triton_experts
+
+    model = runtime_model(hf_moe(family, {}))
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = [m(x) for m in model.moe_modules()]
+        assert prepare_experts(model, "auto", "cuda") == {"experts-triton": 2}
+        assert all(m.experts_fn is triton_experts for m in model.moe_modules())
+        model.to(DEVICE)
+        for m, r in zip(model.moe_modules(), ref):
+            torch.testing.assert_close(m(x.to(DEVICE)).cpu(), r, rtol=1e-4, atol=1e-4)

@@ -1,4 +1,4 @@
-"""The runtime's sparse MoE block against transformers' (fp32, each MoE family), fp and packed experts."""
+"""The runtime's sparse MoE block (runtime/models/moe.py) against transformers' (fp32, every MoE family)."""
 import copy
 
 import pytest
