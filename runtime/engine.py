@@ -106,9 +106,7 @@ class Engine:
     def _max_model_len(self, mcfg: ModelConfig, dcfg: ModelConfig | None, num_blocks: int) -> int:
         c = self.config
         models = [m for m in (mcfg, dcfg) if m]
-        # no sliding-window attention here: contexts stop at the window (full attention is exact up to it)
-        model_max = min([m.max_position_embeddings for m in models]
-                        + [m.sliding_window for m in models if m.sliding_window])
+        model_max = min(m.max_position_embeddings for m in models)
         capacity = num_blocks * c.block_size - c.lookahead
         if c.max_model_len is None:
             if capacity < 2:

@@ -13,8 +13,11 @@ token ``p`` of a sequence sits at slot ``block_table[p // block_size] * block_si
   ``decode_seq_lens[b]`` counting the context plus the new tokens.
 
 Callers store the new tokens' K/V first (``write_kv``), then attend; both groups read every key
-through the block tables. ``paged_attention`` is what the model calls; the Triton kernels in
-``runtime/kernels/triton_attention.py`` take the same tensors.
+through the block tables. A sliding ``window`` (Mistral, Qwen2's sliding layers) narrows each query's
+keys to the last ``window`` positions, its own included: key ``j`` is visible to query position ``i``
+when ``i - window < j <= i`` (transformers' ``sliding_window_overlay``); the cache keeps every key.
+``paged_attention`` is what the model calls; the Triton kernels in ``runtime/kernels/triton_attention.py``
+take the same tensors.
 """
 from __future__ import annotations
 
@@ -68,9 +71,11 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
-def _decode_plan(meta: AttentionMetadata, dtype: torch.dtype, device) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(block ids [D * B], additive mask [D, 1, Q, B * block_size], padded-query rows or None), once per forward."""
-    plan = meta.derived.get("decode")
+def _decode_plan(meta: AttentionMetadata, dtype: torch.dtype, device,
+                 window: int | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(block ids [D * B], additive mask [D, 1, Q, B * block_size], padded-query rows or None), once per forward
+    and window (a window no sequence outgrows is no window)."""
+    plan = meta.derived.get(("decode", window))
     if plan is None:
         d, q = meta.num_decode_seqs, meta.max_decode_q_len
         tables = meta.decode_block_tables
@@ -83,20 +88,30 @@ def _decode_plan(meta: AttentionMetadata, dtype: torch.dtype, device) -> tuple[T
         # query j of sequence b sits at position seq_len - q_len + j and sees keys up to it
         q_pos = (seq_lens - q_lens)[:, None] + torch.arange(q, device=device)[None, :]  # [D, Q]
         q_pos = torch.minimum(q_pos, seq_lens[:, None] - 1)  # padded queries: see everything (output unused)
-        mask = torch.arange(length, device=device)[None, None, :] <= q_pos[:, :, None]  # [D, Q, L]
+        keys = torch.arange(length, device=device)[None, None, :]
+        mask = keys <= q_pos[:, :, None]  # [D, Q, L]
+        if window is not None:
+            mask &= keys > q_pos[:, :, None] - window
         pad = None
         if any(n != q for n in meta.decode_q_lens):
             rows = torch.arange(d * q, device=device).view(d, q)
             pad = rows[torch.arange(q, device=device)[None, :] < q_lens[:, None]]  # real rows of the [D*Q] layout
         bias = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
-        plan = meta.derived["decode"] = (blocks, bias[:, None], pad)
+        plan = meta.derived[("decode", window)] = (blocks, bias[:, None], pad)
     return plan
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def _effective(window: int | None, longest: int) -> int | None:
+    """``window``, or None when no sequence of ``longest`` positions reaches past it (plain causal attention)."""
+    return window if window is not None and longest > window else None
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
+                     window: int | None = None) -> Tensor:
     """Batched attention for the decode group: ``q: [sum(decode_q_lens), Hq, D]`` -> same shape."""
     meta.derived.setdefault("block_size", k_cache.shape[1])
-    blocks, mask, pad = _decode_plan(meta, q.dtype, q.device)
+    window = _effective(window, meta.max_decode_seq_len or int(meta.decode_seq_lens.max()))
+    blocks, mask, pad = _decode_plan(meta, q.dtype, q.device, window)
     nb, nq = meta.num_decode_seqs, meta.max_decode_q_len
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
@@ -114,23 +129,24 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
         return o.reshape(nb, hq, d)
     # fold each KV head's query heads into the query axis: [D, Q, Hkv, G, D] -> [D, Hkv, G*Q, D]
     qg = q.view(nb, nq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(nb, hkv, group * nq, d)
-    m = meta.derived.get("grouped_mask")
+    m = meta.derived.get(("grouped_mask", window))
     if m is None:  # rows ordered (g, j): row g * Q + j uses query j's mask
-        m = meta.derived["grouped_mask"] = mask.repeat(1, 1, group, 1)
+        m = meta.derived[("grouped_mask", window)] = mask.repeat(1, 1, group, 1)
     o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m, scale=scale)
     o = o.view(nb, hkv, group, nq, d).permute(0, 3, 1, 2, 4).reshape(nb * nq, hq, d)
     return o if pad is None else o.index_select(0, pad)
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                      scale: float) -> Tensor:
+                      scale: float, window: int | None = None) -> Tensor:
     """Causal attention for the prefill group, one sequence at a time (its new ``k, v`` are already stored)."""
     out = torch.empty_like(q)
     block_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     start = 0
     for b, (n, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_ctx_lens)):
         qi = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
-        if ctx == 0:  # nothing cached: attend to this chunk's own keys
+        win = _effective(window, ctx + n)
+        if ctx == 0 and win is None:  # nothing cached: attend to this chunk's own keys
             ki, vi = k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1)
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -139,6 +155,8 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
             vi = v_cache.view(-1, hkv, d)[idx].transpose(0, 1)
             keys, queries = torch.arange(ctx + n, device=q.device), torch.arange(ctx, ctx + n, device=q.device)
             mask = keys[None, :] <= queries[:, None]
+            if win is not None:
+                mask &= keys[None, :] > queries[:, None] - win
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:start + n] = o.transpose(0, 1)
         start += n
@@ -146,20 +164,20 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                    scale: float) -> Tensor:
+                    scale: float, window: int | None = None) -> Tensor:
     """Store this forward's ``k, v: [T, Hkv, D]`` and attend with ``q: [T, Hq, D]`` -> ``[T, Hq, D]``."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     p = meta.num_prefill_tokens
     if p == q.shape[0]:
-        return prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window)
     if p == 0:
-        return decode_attention(q, k_cache, v_cache, meta, scale)
-    return torch.cat([prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta, scale),
-                      decode_attention(q[p:], k_cache, v_cache, meta, scale)])
+        return decode_attention(q, k_cache, v_cache, meta, scale, window)
+    return torch.cat([prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta, scale, window),
+                      decode_attention(q[p:], k_cache, v_cache, meta, scale, window)])
 
 
 def triton_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                           scale: float) -> Tensor:
+                           scale: float, window: int | None = None) -> Tensor:
     """The same contract on CUDA, through the Triton kernels (runtime/kernels/triton_attention.py)."""
     from runtime.kernels.triton_attention import triton_decode_attention, triton_prefill_attention
 
@@ -168,13 +186,13 @@ def triton_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_c
     if p:
         outs.append(triton_prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables,
                                              meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
-                                             max_query_len=max(meta.prefill_q_lens)))
+                                             max_query_len=max(meta.prefill_q_lens), window=window))
     if q.shape[0] > p:
         if meta.max_decode_q_len == 1:
             outs.append(triton_decode_attention(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                                scale, max_seq_len=meta.max_decode_seq_len))
+                                                scale, max_seq_len=meta.max_decode_seq_len, window=window))
         else:  # verifying drafts: a few queries per sequence, causal after the context
             outs.append(triton_prefill_attention(q[p:], k_cache, v_cache, meta.decode_block_tables,
                                                  meta.decode_cu_seqlens_q, meta.decode_seq_lens, scale,
-                                                 max_query_len=meta.max_decode_q_len))
+                                                 max_query_len=meta.max_decode_q_len, window=window))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -13,6 +13,9 @@ an online softmax (Dao et al., FlashAttention-2); the full score matrix is never
   shares the KV head (GQA/MQA) in one ``tl.dot``, writing a partial max, sum and normalized output.
   Stage 2 rescales and combines the partials per (sequence, query head).
 Softmax runs in base 2 (``exp2``) with ``log2(e)`` folded into the scale; accumulation is fp32.
+A sliding ``window`` (runtime/kernels/attention.py) bounds keys from below too: query position ``i``
+sees keys ``i - window < j <= i``; key tiles wholly before a tile's window are skipped (``NO_WINDOW``,
+a bound past any position, stands for full attention).
 """
 from __future__ import annotations
 
@@ -25,12 +28,13 @@ from torch import Tensor
 
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(NEG_BIG - NEG_BIG) is 1, not NaN
+NO_WINDOW = 1 << 30  # a window no sequence reaches: full causal attention
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
-    qk_scale, block_size, head_dim,
+    qk_scale, block_size, head_dim, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_btb, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -54,7 +58,9 @@ def _prefill_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     # the last query of this tile sees keys up to ctx + its index; later tiles of keys are all masked
     end = tl.minimum(seq_len, ctx + (pid_m + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    # the first query of this tile sees keys after ctx + its index - window; earlier tiles of keys are all masked
+    lo = tl.maximum(ctx + pid_m * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(lo, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < seq_len
         # logical key position -> (physical block, slot) through the block table
@@ -65,6 +71,7 @@ def _prefill_kernel(
                     mask=kv_ok, other=0.0)  # [BN, BD]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN], log2 units
         visible = ((ctx + offs_m)[:, None] >= offs_n[None, :]) & n_ok[None, :]
+        visible = visible & (offs_n[None, :] > (ctx + offs_m)[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -82,7 +89,7 @@ def _prefill_kernel(
 @triton.jit
 def _decode_partition_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, block_size, head_dim, num_partitions,
+    qk_scale, block_size, head_dim, num_partitions, window,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -98,8 +105,9 @@ def _decode_partition_kernel(
     m_i = tl.full((BLOCK_G,), NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    start = part * PARTITION
-    end = tl.minimum(seq_len, start + PARTITION)  # empty when the sequence is shorter than this partition
+    # keys of this partition inside the window of the query (position seq_len - 1): empty when there are none
+    start = tl.maximum(part * PARTITION, seq_len - window)
+    end = tl.minimum(seq_len, part * PARTITION + PARTITION)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
@@ -163,18 +171,25 @@ def _check_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[int, int,
     return hkv, hq // hkv, d
 
 
+def _window(window: int | None) -> int:
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be >= 1, or None for full causal attention")
+    return NO_WINDOW if window is None else min(window, NO_WINDOW)
+
+
 def _precision(t: Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
 def triton_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                              cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float | None = None,
-                             max_query_len: int | None = None) -> Tensor:
+                             max_query_len: int | None = None, window: int | None = None) -> Tensor:
     """Causal attention of new tokens ``q: [total_q, Hq, D]`` over their sequences' paged keys.
 
     ``cu_seqlens_q: [B+1]`` delimits each sequence's queries in ``q``; ``seq_lens: [B]`` counts its
     cached context plus new tokens; ``block_tables: [B, max_blocks]`` maps its logical blocks to pool
-    blocks. Returns ``[total_q, Hq, D]`` in ``q.dtype``.
+    blocks; ``window`` limits each query to its last ``window`` positions. Returns ``[total_q, Hq, D]``
+    in ``q.dtype``.
     """
     _, group, d = _check_cache(q, k_cache, v_cache)
     batch = seq_lens.shape[0]
@@ -188,7 +203,7 @@ def triton_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_
     grid = (triton.cdiv(max_query_len, block_m), batch, q.shape[1])
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * LOG2E, k_cache.shape[1], d,
+        scale * LOG2E, k_cache.shape[1], d, _window(window),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
@@ -199,8 +214,9 @@ def triton_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_
 
 def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                             scale: float | None = None, max_seq_len: int | None = None,
-                            partition_size: int = 256) -> Tensor:
-    """One query token per sequence, ``q: [B, Hq, D]``, over all ``seq_lens[b]`` cached keys -> ``[B, Hq, D]``."""
+                            partition_size: int = 256, window: int | None = None) -> Tensor:
+    """One query token per sequence, ``q: [B, Hq, D]``, over its ``seq_lens[b]`` cached keys (the last
+    ``window`` of them with a sliding window) -> ``[B, Hq, D]``."""
     hkv, group, d = _check_cache(q, k_cache, v_cache)
     batch, hq = q.shape[0], q.shape[1]
     out = torch.empty_like(q)
@@ -220,7 +236,7 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     part_l = torch.empty(batch, hq, parts, **f32)
     _decode_partition_kernel[(batch, hkv, parts)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_m, part_l,
-        scale * LOG2E, k_cache.shape[1], d, parts,
+        scale * LOG2E, k_cache.shape[1], d, parts, _window(window),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,

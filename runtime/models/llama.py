@@ -69,12 +69,18 @@ class ModelConfig:
     tie_word_embeddings: bool
     act: str
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # "sliding_attention" / "full_attention" per layer (Qwen2, Qwen3)
     clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv]
     moe: MoEConfig | None = None
 
     @property
     def arch(self) -> Arch:
         return ARCHS[self.model_type]
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window: every layer's when the config names no layer_types (Mistral)."""
+        sliding = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -99,18 +105,20 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", model_type == "gemma"),
             act=act, sliding_window=window, clip_qkv=cfg.get("clip_qkv"),
+            layer_types=tuple(cfg["layer_types"]) if cfg.get("layer_types") else None,
             moe=MoEConfig.from_hf(moe, cfg, cfg["num_hidden_layers"]) if moe else None,
         )
 
 
-AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, float], Tensor]
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, float, int | None], Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.window = window  # sliding window (runtime/kernels/attention.py), None: full causal attention
         self.qkv_proj: nn.Module = nn.Identity()  # [T, hidden] -> [T, (Hq + 2 Hkv) * D], set by the loader
         self.o_proj: nn.Module = nn.Identity()
         norm, d = cfg.arch.qk_norm, cfg.head_dim
@@ -138,7 +146,7 @@ class Attention(nn.Module):
         else:
             q = apply_rope(self.q_norm(qkv[:, :hq]), cos, sin)
             k = apply_rope(self.k_norm(qkv[:, hq:hq + hkv]), cos, sin)
-        o = self.attn_fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        o = self.attn_fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(t, hq * self.head_dim))
 
 
@@ -159,7 +167,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         off = cfg.arch.norm_offset
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, cfg.window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off, dtype)
         moe = cfg.moe
         if moe is not None and index in moe.sparse_layers:

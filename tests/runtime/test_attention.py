@@ -1,4 +1,5 @@
-"""The torch paged-attention path equals dense causal attention over each sequence's full K/V."""
+"""The torch paged-attention path equals dense causal attention over each sequence's full K/V (or the
+last ``window`` positions of it, with a sliding window)."""
 import math
 
 import pytest
@@ -10,7 +11,7 @@ HEADS = [(4, 4), (4, 2), (8, 2), (4, 1)]  # GQA ratios 1, 2, 4 and MQA
 BS = 4
 
 
-def dense_reference(q, k, v, scale):
+def dense_reference(q, k, v, scale, window=None):
     """q: [n, Hq, D] (the last n positions), k/v: [L, Hkv, D] -> [n, Hq, D], explicit softmax in fp64."""
     n, hq, _ = q.shape
     L, hkv, _ = k.shape
@@ -19,6 +20,8 @@ def dense_reference(q, k, v, scale):
     s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     q_pos = torch.arange(L - n, L)[:, None]
     s = s.masked_fill(torch.arange(L)[None, :] > q_pos, float("-inf"))
+    if window is not None:  # key j visible to position i when i - window < j (transformers' sliding_window_overlay)
+        s = s.masked_fill(torch.arange(L)[None, :] <= q_pos - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
@@ -86,18 +89,19 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("window", [None, 5, 1])  # full attention, a window shorter than most sequences, itself only
 @pytest.mark.parametrize("hq,hkv", HEADS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_paged_equals_dense(case, hq, hkv):
-    gen = torch.Generator().manual_seed(hash(case) % 1000 + hq * 10 + hkv)
+def test_paged_equals_dense(case, hq, hkv, window):
+    gen = torch.Generator().manual_seed(sum(map(ord, case)) + hq * 10 + hkv)
     d = 16
     scale = d ** -0.5
     q, k, v, meta, k_cache, v_cache, per_seq = build(CASES[case], hq, hkv, d, gen)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)
     start = 0
     for _, (kk, vv), qq in per_seq:
         n = qq.shape[0]
-        ref = dense_reference(qq, kk, vv, scale)
+        ref = dense_reference(qq, kk, vv, scale, window)
         torch.testing.assert_close(out[start:start + n].double(), ref, atol=1e-5, rtol=1e-5)
         start += n
     assert start == out.shape[0]
@@ -110,3 +114,18 @@ def test_new_kv_lands_in_its_slots():
     torch.testing.assert_close(k_cache.view(-1, 2, 8)[meta.slot_mapping], k)
     torch.testing.assert_close(v_cache.view(-1, 2, 8)[meta.slot_mapping], v)
 
+
+
+def test_layers_with_different_windows_share_one_forward_metadata():
+    """Per-forward masks are cached in the metadata per window: a full layer after a sliding one (Qwen2's
+    max_window_layers) must not reuse the sliding layer's mask, nor the reverse."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, meta, k_cache, v_cache, per_seq = build(CASES["mixed"], 4, 2, 16, gen)
+    for window in (3, None, 3):
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, window)
+        start = 0
+        for _, (kk, vv), qq in per_seq:
+            n = qq.shape[0]
+            torch.testing.assert_close(out[start:start + n].double(), dense_reference(qq, kk, vv, 0.25, window),
+                                       atol=1e-5, rtol=1e-5)
+            start += n

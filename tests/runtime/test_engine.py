@@ -38,6 +38,29 @@ def test_greedy_matches_transformers(tiny_dirs, family, chunk):
     assert s["running"] == s["waiting"] == s["kv_blocks_used"] == 0
 
 
+SLIDING = {  # an 8-token window, shorter than most prompts below
+    "mistral": {"sliding_window": 8},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]},
+    "mixtral": {"sliding_window": 8},
+}
+
+
+@pytest.mark.parametrize("chunk", [2048, 8])
+@pytest.mark.parametrize("family", sorted(SLIDING))
+def test_sliding_window_matches_transformers(tmp_path, family, chunk):
+    """Prompts and generations longer than the window attend to the last sliding_window positions only
+    (every layer for Mistral/Mixtral, the sliding layers of Qwen2's layer_types), chunked or not, and
+    with prompt-lookup speculation verifying several tokens at once."""
+    hf = save_tiny(family, tmp_path, overrides=SLIDING[family])
+    ps = prompts(hf.config.vocab_size, (5, 21, 40), seed=11)
+    refs = [hf_greedy(hf, p, N_NEW) for p in ps]
+    for draft in (None, "ngram"):
+        engine = Engine(EngineConfig(model=str(tmp_path), kv_cache_memory=1 << 22, max_num_batched_tokens=chunk,
+                                     block_size=4, draft=draft))
+        assert engine.max_model_len > 40 + N_NEW  # longer requests than the window are served, not refused
+        assert [o.token_ids for o in engine.generate(ps, GREEDY)] == refs
+
+
 def test_llama3_rope_scaling(tmp_path):
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32, "rope_theta": 500000.0}

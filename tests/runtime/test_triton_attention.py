@@ -23,8 +23,9 @@ def ta():
     return ta
 
 
-def ref_attention(q, k_cache, v_cache, block_table, seq_len, scale):
-    """q: [n, Hq, D], the last n of seq_len positions -> [n, Hq, D] (fp32 math)."""
+def ref_attention(q, k_cache, v_cache, block_table, seq_len, scale, window=None):
+    """q: [n, Hq, D], the last n of seq_len positions -> [n, Hq, D] (fp32 math); ``window``: each query sees
+    only its last ``window`` positions."""
     n, hq, _ = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     pos = torch.arange(seq_len, device=q.device)
@@ -36,6 +37,8 @@ def ref_attention(q, k_cache, v_cache, block_table, seq_len, scale):
     s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
     s = s.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    if window is not None:
+        s = s.masked_fill(pos[None, None, :] <= q_pos[None, :, None] - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
@@ -131,6 +134,26 @@ def test_rejects_heads_not_multiple_of_kv_heads(ta):
                                    device=DEVICE), torch.ones(1, dtype=torch.int32, device=DEVICE))
 
 
+@pytest.mark.parametrize("window", [1, 7, 40, 100])  # itself only, inside a key tile, across tiles, no effect
+def test_sliding_window_prefill_and_decode(ta, window):
+    gen = torch.Generator().manual_seed(window)
+    d, block_size = 16, 8
+    ctx_new = [(0, 80), (50, 30), (3, 2), (90, 1)]
+    seq_lens = [c + n for c, n in ctx_new]
+    k_cache, v_cache, table = paged_setup(seq_lens, block_size, 2, d, torch.float32, gen)
+    q_lens = [n for _, n in ctx_new]
+    q = torch.randn(sum(q_lens), 4, d, generator=gen).to(DEVICE)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = ta.triton_prefill_attention(q, k_cache, v_cache, table, cu, sl, 0.25, window=window)
+    last = cu[1:].long() - 1  # each sequence's last query: decoding of one token
+    dec = ta.triton_decode_attention(q[last], k_cache, v_cache, table, sl, 0.25, partition_size=32, window=window)
+    for b, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ref = ref_attention(q[start:end], k_cache, v_cache, table[b], seq_lens[b], 0.25, window)
+        torch.testing.assert_close(out[start:end], ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(dec[b], ref[-1], rtol=1e-4, atol=1e-4)
+
+
 def make_meta(prefill, decode, block_size, num_blocks, gen):
     """AttentionMetadata for prefill chunks ``[(ctx, n)]`` then decode sequences ``[(ctx, q)]``, with shuffled
     block tables, plus the slot of every new token."""
@@ -162,13 +185,14 @@ def make_meta(prefill, decode, block_size, num_blocks, gen):
         max_decode_seq_len=max((c + n for c, n in decode), default=0))
 
 
+@pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1)])
 @pytest.mark.parametrize("prefill,decode", [
     ([(0, 7), (12, 5)], []),  # prefill only: a fresh prompt and a chunk after a cached prefix
     ([], [(20, 1), (9, 1), (33, 1)]),  # plain decoding: flash-decoding
     ([(0, 9)], [(20, 3), (9, 1), (33, 5)]),  # mixed, with speculative verification (several queries)
 ])
-def test_paged_attention_matches_engine_reference(ta, hq, hkv, prefill, decode):
+def test_paged_attention_matches_engine_reference(ta, hq, hkv, prefill, decode, window):
     """The engine's CUDA path (attention.triton_paged_attention, on these kernels) against its torch path."""
     from runtime.kernels.attention import paged_attention, triton_paged_attention
 
@@ -182,8 +206,8 @@ def test_paged_attention_matches_engine_reference(ta, hq, hkv, prefill, decode):
     kc = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(DEVICE)
     vc = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(DEVICE)
     kc2, vc2 = kc.clone(), vc.clone()
-    ref = paged_attention(q, k, v, kc, vc, meta, 0.25)
-    out = triton_paged_attention(q, k, v, kc2, vc2, meta, 0.25)
+    ref = paged_attention(q, k, v, kc, vc, meta, 0.25, window)
+    out = triton_paged_attention(q, k, v, kc2, vc2, meta, 0.25, window)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
