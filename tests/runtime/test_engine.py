@@ -245,11 +245,13 @@ def test_compress_quantized_moe_matches_the_torch_quantized_model(tiny_dirs, tmp
     assert auto.generate(ps[:1], GREEDY)[0].completion_tokens == N_NEW
 
 
-def test_bfloat16_engine_tracks_fp32_logits(tiny_dirs):
-    """bf16 compute (prepacked oneDNN linears on CPU) stays within bf16 rounding of the fp32 model."""
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
+def test_bfloat16_engine_tracks_fp32_logits(tiny_dirs, family):
+    """bf16 compute (prepacked oneDNN linears on CPU; bf16 experts, fp32 router) stays within bf16 rounding
+    of the fp32 model."""
     from runtime.model_runner import ForwardItem
 
-    path, hf = tiny_dirs["llama"]
+    path, hf = tiny_dirs[family]
     engine = Engine(EngineConfig(model=path, kv_cache_memory=1 << 22, dtype="bfloat16"))
     p = prompts(hf.config.vocab_size, (23,), seed=8)[0]
     got = engine.runner.forward([ForwardItem(p, 0, list(range(-(-len(p) // 16))), 1)])[0]
