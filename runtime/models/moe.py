@@ -53,7 +53,7 @@ class MoEConfig:
         layers = range(num_layers)
         if arch.sparse_step:
             step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
-            layers = [i for i in layers if i not in dense and num_experts > 0 and (i + 1) % step == 0]
+            layers = [i for i in layers if i not in dense and (i + 1) % step == 0]
         return cls(num_experts=num_experts, top_k=top_k, intermediate_size=cfg[arch.intermediate_key],
                    renormalize=arch.always_renormalize or bool(cfg.get("norm_topk_prob", False)),
                    fp32_weights=arch.fp32_weights,

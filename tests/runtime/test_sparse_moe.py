@@ -150,3 +150,12 @@ def test_router_stays_fp32_in_a_bfloat16_model():
         ref = hf.model.layers[0].mlp(x[None])[0]
         out = block(x.bfloat16())
     assert out.dtype == torch.bfloat16 and (out.float() - ref).norm() / ref.norm() < 2e-2
+
+
+def test_top_k_beyond_the_experts_is_a_clear_error():
+    from runtime.models.llama import ModelConfig
+
+    cfg = tiny_config("olmoe").to_dict()
+    cfg["num_experts_per_tok"] = NUM_EXPERTS + 1
+    with pytest.raises(ValueError, match=f"num_experts_per_tok={NUM_EXPERTS + 1} must be in 1..num_experts=4"):
+        ModelConfig.from_hf(cfg)
