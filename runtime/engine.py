@@ -292,10 +292,10 @@ class Engine:
         """Gauges and counters for metrics: queue sizes, KV usage, speculation, totals."""
         with self._lock:
             bm, sched = self.block_manager, self.scheduler
-            fill: dict[int, int] = {}
+            fill: dict[int, int] = {}  # slots assigned to a token of a running sequence (KV computed or not yet)
             for seq in sched.running:
                 for j, bid in enumerate(seq.block_table):
-                    used = min(bm.block_size, max(0, seq.num_computed_tokens - j * bm.block_size))
+                    used = min(bm.block_size, max(0, seq.num_tokens - j * bm.block_size))
                     fill[bid] = max(fill.get(bid, 0), used)
             spec = self.speculator
             return {

@@ -184,7 +184,7 @@ def engine_gauges(stats: dict) -> list[tuple[str, str, float]]:
         ("kv_cache_blocks_used", "KV-cache blocks held by requests or the prefix cache.", used),
         ("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", used / total if total else 0.0),
         ("kv_cache_token_slots_allocated", "Token slots in allocated KV blocks.", slots_alloc),
-        ("kv_cache_token_slots_used", "Token slots holding a token.", slots_used),
+        ("kv_cache_token_slots_used", "Token slots assigned to a token of a running sequence.", slots_used),
         ("spec_decode_draft_tokens", "Draft tokens proposed so far.", drafted),
         ("spec_decode_accepted_tokens", "Draft tokens accepted so far.", accepted),
         ("spec_decode_acceptance_ratio", "Accepted / drafted tokens (0 when nothing was drafted).", accepted / drafted if drafted else 0.0),

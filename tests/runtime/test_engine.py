@@ -114,6 +114,24 @@ def test_abort_frees_blocks(tiny_dirs):
     assert engine.step() == []
 
 
+def test_kv_slot_stats_count_every_token_of_running_sequences(tiny_dirs):
+    """Used slots are the sequences' tokens (computed or about to be); allocated is whole blocks, so
+    the difference is only each sequence's partly filled last block."""
+    path, hf = tiny_dirs["llama"]
+    engine = Engine(EngineConfig(model=path, kv_cache_memory=1 << 22, block_size=4, enable_prefix_caching=False))
+    engine.add_request(prompts(hf.config.vocab_size, (10,))[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
+    for step in range(1, 6):
+        engine.step()
+        s = engine.stats()
+        computed = sum(seq.num_computed_tokens for seq in engine.scheduler.running)
+        # every computed token, plus a sampled token whose slot is already allocated; at most 1 more each
+        assert computed <= s["token_slots_used"] <= (10 + step) + (3 + step)
+        if step == 1:  # after prefill both sampled tokens fall in already allocated blocks (10 -> 12, 3 -> 4)
+            assert s["token_slots_used"] == 11 + 4
+        assert 0 <= s["token_slots_allocated"] - s["token_slots_used"] < 2 * 4
+
+
 def test_prompt_longer_than_max_model_len_is_refused(tiny_dirs):
     path, _ = tiny_dirs["llama"]
     engine = Engine(EngineConfig(model=path, kv_cache_memory=1 << 22, max_model_len=32))
