@@ -42,6 +42,8 @@ class QuantizeConfig:
     duo_scaling: bool = True  # search x_mean^r / w_mean^(1-r) (AutoAWQ, llm-compressor) instead of x_mean^r
     clip: bool = True
     search_tokens: int = 4096
+    clip_tokens: int = 512  # token rows of each linear's input that judge its clipping range
+    clip_grid: int = 20  # clipping shrink factors are tried in steps of 1 / clip_grid, down to 0.5
     # fp linears kept as they are (regular expressions on module names)
     ignore: tuple[str, ...] = ("lm_head",)
     # qat: start from a PTQ result (init), then distil the fp model for `steps` (weights at lr, scales at scale_lr)
@@ -62,7 +64,8 @@ class QuantizeConfig:
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r} is unknown; use one of {METHODS}")
         self.scheme  # validates bits / group_size
-        for name in ("nsamples", "seqlen", "batch_size", "block_size", "grid", "search_tokens"):
+        for name in ("nsamples", "seqlen", "batch_size", "block_size", "grid", "search_tokens", "clip_tokens",
+                     "clip_grid"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 < self.damp < 1:

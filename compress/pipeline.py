@@ -196,7 +196,7 @@ def _awq_block(cfg: QuantizeConfig, bmap: BlockMap, report: QuantizeReport):
         for name, lin in linears.items():
             w = lin.weight.data
             if cfg.clip and name not in bmap.no_clip:
-                bound = awq.search_clip(sampler.x(name)[:512], w, scheme, cfg.grid)
+                bound = awq.search_clip(sampler.x(name)[:cfg.clip_tokens], w, scheme, cfg.clip_grid)
                 w = awq.clip_weight(w, bound, scheme)
             _swap(block, name, lin, rtn.quantize_weight(w, scheme))
     return per_block
