@@ -65,6 +65,7 @@ def main():
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--sym", action="store_true")
+    ap.add_argument("--nsamples", type=int, default=0, help="use the first N calibration windows (0: all)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     from datasets import Dataset
@@ -76,7 +77,7 @@ def main():
 
         IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     tokens = torch.load(a.tokens)
-    calib = tokens["calib"]
+    calib = tokens["calib"][: a.nsamples or None]
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     ds = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": torch.ones_like(calib).tolist()})
     t0 = time.perf_counter()
