@@ -114,14 +114,14 @@ def mse_params(w: Tensor, scheme: Scheme, col_weight: Tensor | None = None, grid
         raise ValueError(f"mse_params needs format 'int', got {scheme.format!r}")
     w = w.float()
     c = torch.ones(w.shape[1]) if col_weight is None else col_weight.float().clamp(min=0)
+    row = Scheme(scheme.bits, -1, scheme.sym)  # each row of w is one group
     best_s, best_z = find_params(w, scheme)
     best_err = None
     for k in range(int(grid * max_shrink) + 1):
         p = 1 - k / grid
         s, z = find_params(w * p, scheme)  # shrinking w by p shrinks its range by p (0 stays inside)
-        zf = float(scheme.sym_zero) if z is None else z.float()[:, None]
-        q = torch.clamp(torch.round(w / s.float()[:, None]) + zf, 0, scheme.maxq)
-        err = ((q - zf) * s.float()[:, None] - w).abs_().pow_(norm) @ c
+        s1, z1 = s[:, None], None if z is None else z[:, None]
+        err = (dequantize(quantize(w, s1, z1, row), s1, z1, row) - w).abs_().pow_(norm) @ c
         if best_err is None:
             best_err = err
             continue
