@@ -12,6 +12,7 @@ from compress.quant import Scheme
 METHODS = ("rtn", "gptq", "awq", "nf4", "qat")
 QAT_INITS = ("rtn", "awq")
 TRAIN_DTYPES = ("bfloat16", "float32")
+KV_INITS = ("mean", "pca")  # compress/gqa.py
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
@@ -55,6 +56,7 @@ class QuantizeConfig:
     train_dtype: str = "bfloat16"  # autocast dtype of training forwards (qat and uptraining); float32 disables
     # gqa: pool the KV heads down to kv_heads (0 keeps them), uptrain for uptrain_steps, then quantize
     kv_heads: int = 0
+    kv_init: str = "pca"  # new KV heads: "pca" (activation-aware merge, needs calibration) or "mean" pooling
     uptrain_steps: int = 0
     uptrain_lr: float = 5e-5
     # moe: an expert routed fewer calibration tokens than this is RTN-quantized (None: compress.moe default)
@@ -92,6 +94,8 @@ class QuantizeConfig:
             raise ValueError(f"train_dtype={self.train_dtype!r} is unknown; use one of {TRAIN_DTYPES}")
         if self.kv_heads < 0:
             raise ValueError(f"kv_heads={self.kv_heads} must be >= 1 (or 0 to keep the model's KV heads)")
+        if self.kv_init not in KV_INITS:
+            raise ValueError(f"kv_init={self.kv_init!r} is unknown; use one of {KV_INITS}")
         if self.uptrain_steps < 0:
             raise ValueError(f"uptrain_steps={self.uptrain_steps} must be >= 0")
         if self.uptrain_steps and not self.kv_heads:
@@ -106,7 +110,8 @@ class QuantizeConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method in ("gptq", "awq", "qat") or self.uptrain_steps > 0
+        return (self.method in ("gptq", "awq", "qat") or self.uptrain_steps > 0
+                or (self.kv_heads > 0 and self.kv_init == "pca"))
 
     def replace(self, **changes) -> "QuantizeConfig":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})

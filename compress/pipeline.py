@@ -222,7 +222,7 @@ def _convert_kv_heads(model: nn.Module, cfg: QuantizeConfig, batches, report: Qu
 
     teacher = copy.deepcopy(model) if cfg.uptrain_steps or cfg.method == "qat" else None
     res = gqa.convert_and_uptrain(model, cfg.kv_heads, batches, cfg.uptrain_steps, cfg.uptrain_lr, teacher,
-                                  cfg.batch_size, cfg.train_dtype, cfg.seed, train_progress)
+                                  cfg.batch_size, cfg.train_dtype, cfg.seed, train_progress, cfg.kv_init)
     report.notes["gqa"] = {k: v for k, v in asdict(res).items() if k != "uptrain"}
     if res.uptrain is not None:
         report.notes["gqa"].update(uptrain_loss_first=res.uptrain.first, uptrain_loss_last=res.uptrain.last,

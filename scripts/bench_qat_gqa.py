@@ -6,13 +6,16 @@ Runs (each writes runs/qat_gqa/NAME/; an existing folder is reused unless --over
   qat4-rtn            the same from an RTN init
   qat4-learnzero      (not in the default set) learned integer zeros with an STE
   mqa                 3 -> 1 KV heads by mean pooling, fp, no uptraining
-  mqa-uptrain         the same plus --uptrain-steps of distillation
+  mqa-uptrain         the same plus --uptrain-steps of distillation (at --uptrain-lr)
+  mqa-pca             3 -> 1 KV heads by activation-aware, RoPE-compatible merging (compress/gqa_pca.py)
+  mqa-pca-uptrain     the same plus --uptrain-steps of distillation (at --uptrain-lr)
 Then every folder and the fp model are scored on the eval splits (disjoint from calibration) with
 eval.report.evaluate_model, and a table prints: ppl per text, the share of RTN's gap to fp that each
 method closes, training seconds, and KV-cache bytes per token.
 
   .venv/bin/python scripts/bench_qat_gqa.py [--runs rtn4,awq4,qat4,qat4-rtn,mqa,mqa-uptrain]
-      [--qat-steps N] [--uptrain-steps N] [--max-windows 128] [--out runs/qat_gqa] [--overwrite]
+      [--qat-steps N] [--uptrain-steps N] [--uptrain-lr 5e-5] [--uptrain-scope blocks|attn]
+      [--max-windows 128] [--out runs/qat_gqa] [--overwrite]
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ MODEL = "smollm2-135m"
 DEFAULT_RUNS = "rtn4,awq4,qat4,qat4-rtn,mqa,mqa-uptrain"
 QUANT_RUNS = {"rtn4": ("rtn4", {}), "awq4": ("awq4", {}), "qat4": ("qat4", {}), "qat4-rtn": ("qat4", {"init": "rtn"}),
               "qat4-learnzero": ("qat4", {"learn_zero": True})}
-GQA_RUNS = {"mqa": 0, "mqa-uptrain": None}  # uptraining steps (None: --uptrain-steps)
+# name -> (uptraining steps (None: --uptrain-steps), KV-head init)
+GQA_RUNS = {"mqa": (0, "mean"), "mqa-uptrain": (None, "mean"), "mqa-pca": (0, "pca"), "mqa-pca-uptrain": (None, "pca")}
 
 
 def _train_bar(name: str):
@@ -51,13 +55,14 @@ def run_quant(name: str, out: Path, qat_steps: int | None, overwrite: bool) -> d
     return {"seconds": res.seconds, "out_bytes": res.out_bytes, **res.report.notes}
 
 
-def run_gqa(name: str, out: Path, uptrain_steps: int, overwrite: bool) -> dict:
+def run_gqa(name: str, out: Path, uptrain_steps: int, lr: float, init: str, scope: str, overwrite: bool) -> dict:
     from compress import gqa
 
     t0 = time.perf_counter()
-    rep = gqa.convert_to_folder(MODEL, 1, str(out), uptrain_steps=uptrain_steps, overwrite=overwrite,
-                                progress=_train_bar(name))
-    info = {"seconds": time.perf_counter() - t0, "kv_heads": [rep.kv_heads_before, rep.kv_heads_after],
+    rep = gqa.convert_to_folder(MODEL, 1, str(out), uptrain_steps=uptrain_steps, lr=lr, overwrite=overwrite,
+                                progress=_train_bar(name), init=init, scope=scope)
+    info = {"seconds": time.perf_counter() - t0, "init": init, "uptrain_lr": lr, "uptrain_scope": scope,
+            "kv_heads": [rep.kv_heads_before, rep.kv_heads_after],
             "kv_bytes_per_token": [rep.kv_bytes_per_token_before, rep.kv_bytes_per_token_after]}
     if rep.uptrain is not None:
         info.update(uptrain_steps=len(rep.uptrain.losses), uptrain_seconds=rep.uptrain.seconds,
@@ -82,7 +87,7 @@ def summarize(results: dict) -> str:
         kv = kv[1] if isinstance(kv, list) else kv  # a GQA run records [before, after]
         lines.append(f"{name:16s} " + " ".join(f"{r['ppl'][t]:12.3f}" for t in fp) + f"  {closed:18s}"
                      + f" {train or 0:8.0f}   {kv or '-'}")
-    for name in ("mqa", "mqa-uptrain"):
+    for name in GQA_RUNS:
         if name in results and "ppl" in results[name]:
             rel = {t: results[name]["ppl"][t] / fp[t] - 1 for t in fp}
             lines.append(f"{name}: ppl vs fp " + ", ".join(f"{t} {v:+.1%}" for t, v in rel.items()))
@@ -94,6 +99,8 @@ def main() -> None:
     ap.add_argument("--runs", default=DEFAULT_RUNS)
     ap.add_argument("--qat-steps", type=int, default=None, help="override recipes/qat4.yaml's steps")
     ap.add_argument("--uptrain-steps", type=int, default=200)
+    ap.add_argument("--uptrain-lr", type=float, default=5e-5)
+    ap.add_argument("--uptrain-scope", default="blocks", help="train decoder blocks, or attn(ention) only")
     ap.add_argument("--max-windows", type=int, default=128, help="512-token windows scored per text")
     ap.add_argument("--ppl", default="wiki,lambada")
     ap.add_argument("--out", default="runs/qat_gqa")
@@ -127,8 +134,9 @@ def main() -> None:
         if name in QUANT_RUNS:
             results[name] = run_quant(name, out, args.qat_steps, args.overwrite)
         else:
-            steps = GQA_RUNS[name] if GQA_RUNS[name] is not None else args.uptrain_steps
-            results[name] = run_gqa(name, out, steps, args.overwrite)
+            steps, init = GQA_RUNS[name]
+            results[name] = run_gqa(name, out, args.uptrain_steps if steps is None else steps, args.uptrain_lr, init,
+                                    args.uptrain_scope, args.overwrite)
         results_path.write_text(json.dumps(results, indent=2))
     texts = {s: load_texts(s, "eval") for s in args.ppl.split(",")}
     for name in ["fp", *runs]:

@@ -38,6 +38,36 @@ def _batches(n=8, seqlen=32, seed=0):
     return list(_ids(n, seqlen, seed).split(4))
 
 
+def _tie_heads(model, kv, new, keys="multiple", values="linear", seed=3):
+    """Make each old KV head of a future group of ``kv // new`` a function of the group's first head:
+    keys a per-RoPE-plane complex multiple ("multiple") or a copy ("copy"), values a linear map of it
+    ("linear") or a copy ("copy") -- so that merging them loses nothing."""
+    from compress.gqa_pca import as_complex, as_real
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            d = attn.k_proj.out_features // kv
+            for lin, how in ((attn.k_proj, keys), (attn.v_proj, values)):
+                w = lin.weight.reshape(kv, d, -1)
+                b = None if lin.bias is None else lin.bias.reshape(kv, d, 1)
+                for h in range(kv):
+                    lead = h - h % (kv // new)
+                    if h == lead:
+                        continue
+                    if how == "multiple":
+                        c = torch.complex(torch.randn(d // 2, 1, generator=gen), torch.randn(d // 2, 1, generator=gen))
+                        fn = lambda t: as_real(c * as_complex(t))  # noqa: E731
+                    elif how == "linear":
+                        m = torch.randn(d, d, generator=gen) / d ** 0.5
+                        fn = lambda t: m @ t  # noqa: E731
+                    else:
+                        fn = lambda t: t.clone()  # noqa: E731
+                    for t in (w, b) if b is not None else (w,):
+                        t[h] = fn(t[lead])
+
+
 def test_pool_heads_is_the_mean_over_the_heads_each_group_read():
     w = torch.arange(3 * 2 * 5, dtype=torch.float32).reshape(3 * 2, 5)  # 3 KV heads of width 2
     heads = w.reshape(3, 2, 5)
@@ -51,35 +81,78 @@ def test_pool_heads_is_the_mean_over_the_heads_each_group_read():
     assert torch.allclose(gqa.pool_heads(bias, 6, 3, 1), bias.reshape(3, 2).mean(0))
 
 
+@pytest.mark.parametrize("init", gqa.KV_INITS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_pooling_identical_heads_keeps_the_output(family):
+def test_pooling_identical_heads_keeps_the_output(family, init):
     model = _model(family, heads=8, kv=8)
-    with torch.no_grad():  # make the KV heads identical within each future group of 4
-        for layer in model.model.layers:
-            for lin in (layer.self_attn.k_proj, layer.self_attn.v_proj):
-                d = lin.out_features // 8
-                w = lin.weight.reshape(8, d, -1)
-                w.copy_(w[[0, 0, 0, 0, 4, 4, 4, 4]])
-                if lin.bias is not None:
-                    b = lin.bias.reshape(8, d)
-                    b.copy_(b[[0, 0, 0, 0, 4, 4, 4, 4]])
+    _tie_heads(model, 8, 2, keys="copy", values="copy")  # KV heads identical within each future group of 4
     ids = _ids()
     with torch.no_grad():
         ref = model(ids).logits
-        gqa.convert(model, 2)
+        gqa.convert(model, 2, init, _batches())
         out = model(ids).logits
     assert model.config.num_key_value_heads == 2
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ("llama", "qwen2", "mistral", "gemma"))
+@pytest.mark.parametrize("heads,kv,new", [(8, 4, 1), (8, 4, 2), (8, 8, 2)])
+def test_pca_merge_is_exact_for_complex_multiple_keys_and_low_rank_values(family, heads, kv, new):
+    """RoPE-plane merging of keys and o_proj-folded merging of values, checked against transformers'
+    own attention: heads that are exactly mergeable give back the original logits."""
+    model = _model(family, heads, kv)
+    _tie_heads(model, kv, new)
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+        gqa.convert(model, new, "pca", _batches())
+        out = model(ids).logits
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+    assert model.model.layers[0].self_attn.k_proj.out_features == new * gqa.head_dim(model.config)
+
+
+def test_pca_with_per_head_k_norm_pools_the_keys_and_merges_the_values(caplog):
+    model = _model("qwen3", 8, 8)
+    _tie_heads(model, 8, 2, keys="copy", values="linear")
+    ids = _ids()
+    with torch.no_grad(), caplog.at_level("INFO", logger="compress.gqa"):
+        ref = model(ids).logits
+        gqa.convert(model, 2, "pca", _batches())
+        out = model(ids).logits
+    assert "keys mean-pooled, values merged" in caplog.text
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen2"))
+def test_pca_stays_closer_to_the_original_than_mean_pooling(family):
+    base = _model(family, 8, 8)
+    held = _ids(8, 32, seed=7)
+    kl = {}
+    for init in gqa.KV_INITS:
+        model = copy.deepcopy(base)
+        gqa.convert(model, 1, init, _batches(16))
+        kl[init] = evaluate_kl(model, base, held)
+    assert kl["pca"] < kl["mean"]
+
+
+def test_kv_init_is_checked():
+    model = _model("llama", 8, 4)
+    with pytest.raises(ValueError, match="kv init 'pca' needs calibration text"):
+        gqa.convert(model, 2, "pca")
+    with pytest.raises(ValueError, match="kv init 'median' is unknown"):
+        gqa.convert(model, 2, "median", _batches())
+    assert model.config.num_key_value_heads == 4
+
+
+@pytest.mark.parametrize("init", gqa.KV_INITS)
 @pytest.mark.parametrize("family", ("llama", "qwen2", "mistral"))
 @pytest.mark.parametrize("heads,kv,new", [(8, 8, 4), (8, 4, 2), (8, 8, 1)], ids=["mha-gqa", "gqa-fewer", "mha-mqa"])
-def test_conversion_saves_and_loads_in_transformers(family, heads, kv, new, tmp_path):
+def test_conversion_saves_and_loads_in_transformers(family, heads, kv, new, init, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = _model(family, heads, kv)
     before = gqa.kv_cache_bytes_per_token(model.config)
-    rep = gqa.convert(model, new)
+    rep = gqa.convert(model, new, init, _batches())
     hd = gqa.head_dim(model.config)
     assert (rep.kv_heads_before, rep.kv_heads_after) == (kv, new)
     assert rep.kv_bytes_per_token_before == before == 2 * 2 * kv * hd * 2
@@ -121,12 +194,16 @@ def test_invalid_kv_heads_name_the_value_and_the_allowed_ones(kv_heads, msg):
 def test_invalid_kv_heads_fail_before_quantizing():
     model = _model("llama", 8, 4)
     with pytest.raises(ValueError, match="--kv-heads 3"):
-        quantize_model(model, QuantizeConfig(method="rtn", kv_heads=3))
+        quantize_model(model, QuantizeConfig(method="rtn", kv_heads=3, kv_init="mean"))
     assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
     with pytest.raises(ValueError, match="kv_heads=-1"):
         QuantizeConfig(kv_heads=-1)
     with pytest.raises(ValueError, match="set kv_heads too"):
         QuantizeConfig(uptrain_steps=5)
+    with pytest.raises(ValueError, match="kv_init='median' is unknown"):
+        QuantizeConfig(kv_heads=1, kv_init="median")
+    assert QuantizeConfig(method="rtn", kv_heads=1).needs_calibration  # pca merging reads calibration text
+    assert not QuantizeConfig(method="rtn", kv_heads=1, kv_init="mean").needs_calibration
 
 
 def test_model_type_without_attention_layout_is_a_clear_error():
@@ -148,6 +225,35 @@ def test_uptraining_recovers_part_of_the_conversion_loss():
     assert not any(p.requires_grad for p in up.parameters())
     with pytest.raises(ValueError, match="calibration text"):
         gqa.convert_and_uptrain(copy.deepcopy(base), 1, None, steps=5)
+
+
+def test_uptraining_attention_only_leaves_the_mlps():
+    base = _model("llama", 8, 8)
+    converted = copy.deepcopy(base)
+    gqa.convert(converted, 1, "pca", _batches())
+    up = copy.deepcopy(converted)
+    gqa.uptrain(up, base, _ids(8, 32), 3, 1e-3, dtype="float32", scope="attn")
+    new, old = up.model.layers[0], converted.model.layers[0]
+    assert torch.equal(new.mlp.up_proj.weight, old.mlp.up_proj.weight)
+    assert torch.equal(new.input_layernorm.weight, old.input_layernorm.weight)
+    assert not torch.equal(new.self_attn.q_proj.weight, old.self_attn.q_proj.weight)
+    with pytest.raises(ValueError, match="scope 'mlp' is unknown"):
+        gqa.uptrain(up, base, _ids(4, 16), 1, 1e-3, scope="mlp")
+
+
+@pytest.mark.parametrize("kv_init", ["mean", "pca"])
+def test_quantize_model_uses_the_configured_kv_init(kv_init):
+    ids = _ids()
+    models = {init: _model("llama", 8, 4) for init in ("direct", "pipeline")}
+    gqa.convert(models["direct"], 2, kv_init, _batches())
+    quantize_model(models["pipeline"], QuantizeConfig(method="rtn", bits=8, group_size=32, kv_heads=2, kv_init=kv_init),
+                   _batches() if kv_init == "pca" else None)
+    with torch.no_grad():  # the same conversion, then 8-bit RTN: close, and far closer than the other init
+        direct, piped = models["direct"](ids).logits, models["pipeline"](ids).logits
+    other = _model("llama", 8, 4)
+    gqa.convert(other, 2, "pca" if kv_init == "mean" else "mean", _batches())
+    with torch.no_grad():
+        assert (piped - direct).abs().max() < 0.2 * (other(ids).logits - direct).abs().max()
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
@@ -225,3 +331,22 @@ def test_smollm2_three_kv_heads_to_one():
     def nll(logits):
         return torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
     assert nll(ref) < nll(out) < 20
+
+
+@pytest.mark.slow
+def test_smollm2_pca_merge_beats_mean_pooling():
+    from compress.data import calibration_batches
+    from compress.models import load_model
+
+    model, tok, _ = load_model("smollm2-135m")
+    ids = tok("The capital of France is Paris, and the capital of Italy is", return_tensors="pt").input_ids
+    calib = calibration_batches(tok, "wiki", 16, 256)
+
+    def nll(m):
+        with torch.no_grad():
+            return torch.nn.functional.cross_entropy(m(ids).logits[0, :-1], ids[0, 1:]).item()
+    ref = nll(model)
+    mean = copy.deepcopy(model)
+    gqa.convert(mean, 1)
+    gqa.convert(model, 1, "pca", [calib])
+    assert ref < nll(model) < nll(mean)
