@@ -11,6 +11,7 @@ from compress.quant import Scheme
 
 METHODS = ("rtn", "gptq", "awq", "nf4", "qat")
 QAT_INITS = ("rtn", "awq")
+ROUNDINGS = ("rtn", "gptq")  # awq's final rounding
 TRAIN_DTYPES = ("bfloat16", "float32")
 KV_INITS = ("mean", "pca")  # compress/gqa.py
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -45,6 +46,7 @@ class QuantizeConfig:
     search_tokens: int = 4096
     clip_tokens: int = 512  # token rows of each linear's input that judge its clipping range
     clip_grid: int = 20  # clipping shrink factors are tried in steps of 1 / clip_grid, down to 0.5
+    rounding: str = "rtn"  # awq: round the smoothed, clipped weights by rtn (AutoAWQ) or gptq (the gptq fields)
     # fp linears kept as they are (regular expressions on module names)
     ignore: tuple[str, ...] = ("lm_head",)
     # qat: start from a PTQ result (init), then distil the fp model for `steps` (weights at lr, scales at scale_lr)
@@ -74,9 +76,15 @@ class QuantizeConfig:
             raise ValueError(f"damp={self.damp} must be in (0, 1), e.g. 0.01")
         if self.calib_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"calib_dtype={self.calib_dtype!r} must be float32 or bfloat16")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding={self.rounding!r} is unknown; use one of {ROUNDINGS}")
+        if self.rounding != "rtn" and self.method != "awq":
+            raise ValueError(f"rounding={self.rounding!r} applies to method awq only, not {self.method!r}")
+        gptq_rounding = self.method == "gptq" or self.rounding == "gptq"
         for name in ("act_order", "static_groups", "mse"):
-            if getattr(self, name) and self.method != "gptq":
-                raise ValueError(f"{name} applies to method gptq only, not {self.method!r}")
+            if getattr(self, name) and not gptq_rounding:
+                raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq) only, "
+                                 f"not {self.method!r}")
         self._validate_training()
         object.__setattr__(self, "ignore", tuple(self.ignore))
 

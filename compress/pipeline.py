@@ -95,8 +95,15 @@ def _gptq_block(cfg: QuantizeConfig, report: QuantizeReport):
 class _Sampler:
     """Collects, per linear, the mean |x| over all tokens and a fixed random sample of token rows."""
 
-    def __init__(self, inputs: BlockInputs, n_tokens: int, seed: int):
+    def __init__(self, inputs: BlockInputs, n_tokens: int, seed: int,
+                 hessians: dict[str, "gptq.Hessian"] | None = None):
         gen = torch.Generator().manual_seed(seed)
+        # optional: the GPTQ Hessian of every input, accumulated over all tokens (linears that share an
+        # input share one object, which only the first of them updates)
+        self.hessians = hessians or {}
+        self._owner = {}
+        for name, h in self.hessians.items():
+            self._owner.setdefault(id(h), name)
         per_batch = max(1, n_tokens // len(inputs.hidden))
         self.rows = [torch.randperm(h.shape[0] * h.shape[1], generator=gen)[:per_batch] for h in inputs.hidden]
         self.abs_sum: dict[str, Tensor] = {}
@@ -120,6 +127,9 @@ class _Sampler:
     def hook(self, name: str):
         def fn(module, args):
             x = args[0].reshape(-1, args[0].shape[-1]).float()
+            h = self.hessians.get(name)
+            if h is not None and self._owner[id(h)] == name:
+                h.add(x)
             calls = self.samples.setdefault(name, [])
             self.abs_sum[name] = self.abs_sum.get(name, 0) + x.abs().sum(0)
             self.count[name] = self.count.get(name, 0) + x.shape[0]
@@ -148,7 +158,8 @@ def _awq_block(cfg: QuantizeConfig, bmap: BlockMap, report: QuantizeReport):
 
     def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
         linears = target_linears(block, cfg.ignore)
-        sampler = _Sampler(inputs, cfg.search_tokens, cfg.seed + i)
+        hessians = _shared_hessians(linears, bmap) if cfg.rounding == "gptq" else None
+        sampler = _Sampler(inputs, cfg.search_tokens, cfg.seed + i, hessians)
         handles = [m.register_forward_pre_hook(sampler.hook(n)) for n, m in linears.items()]
         handles += [block.get_submodule(sm.inspect).register_forward_pre_hook(sampler.module_hook(sm.inspect),
                                                                              with_kwargs=True)
@@ -191,6 +202,8 @@ def _awq_block(cfg: QuantizeConfig, bmap: BlockMap, report: QuantizeReport):
             for n, m in zip(sm.linears, mods):
                 m.weight.data.mul_(s.to(m.weight.dtype))
                 sampler.samples[n] = [torch.cat(sampler.samples[n]) / s]
+            if hessians is not None:  # the inputs are now x / s: H -> H / (s s^T), once per shared Hessian
+                hessians[sm.linears[0]].H.div_(torch.outer(s, s))
             report.layers.append({"layer": i, "smooth": sm.prev, "ratio": res.ratio, "loss": res.loss,
                                   "rtn_loss": res.base_loss})
         for name, lin in linears.items():
@@ -198,8 +211,27 @@ def _awq_block(cfg: QuantizeConfig, bmap: BlockMap, report: QuantizeReport):
             if cfg.clip and name not in bmap.no_clip:
                 bound = awq.search_clip(sampler.x(name)[:cfg.clip_tokens], w, scheme, cfg.clip_grid)
                 w = awq.clip_weight(w, bound, scheme)
-            _swap(block, name, lin, rtn.quantize_weight(w, scheme))
+            if hessians is None:
+                _swap(block, name, lin, rtn.quantize_weight(w, scheme))
+                continue
+            res = gptq.quantize_weight(w, hessians[name].H, scheme, cfg.damp, cfg.block_size, cfg.act_order,
+                                       cfg.static_groups, cfg.mse)
+            report.layers.append({"layer": i, "name": name, "loss": res.loss})
+            _swap(block, name, lin, res.weight)
     return per_block
+
+
+def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap) -> dict[str, gptq.Hessian]:
+    """One GPTQ Hessian per distinct input: the linears a norm smooths together read the same tensor."""
+    out: dict[str, gptq.Hessian] = {}
+    for sm in bmap.smooths:
+        if all(n in linears for n in sm.linears):
+            h = gptq.Hessian.zeros(linears[sm.linears[0]].in_features)
+            out.update({n: h for n in sm.linears})
+    for name, lin in linears.items():
+        if name not in out:
+            out[name] = gptq.Hessian.zeros(lin.in_features)
+    return out
 
 
 def _with_experts(per_block, layout, cfg: QuantizeConfig, report: QuantizeReport):

@@ -14,6 +14,8 @@ METHODS = {
     "gptq": dict(method="gptq", bits=4, group_size=32),
     "gptq-actorder": dict(method="gptq", bits=4, group_size=32, act_order=True),
     "awq": dict(method="awq", bits=4, group_size=32, search_tokens=256),
+    "awq-gptq": dict(method="awq", bits=4, group_size=32, search_tokens=256, rounding="gptq", act_order=True,
+                     static_groups=True),
     "nf4": dict(method="nf4", bits=4, group_size=32),
     "int8": dict(method="rtn", bits=8, group_size=-1, sym=True),
 }
@@ -59,13 +61,15 @@ def test_calibrated_methods_beat_rtn_on_a_tiny_llama():
     with torch.no_grad():
         ref = base(ids).logits
     errs = {}
-    for m in ("rtn", "gptq", "awq"):
+    for m, extra in (("rtn", {}), ("gptq", {}), ("awq", {}), ("awq-gptq", {"rounding": "gptq"})):
         model = copy.deepcopy(base)
-        quantize_model(model, QuantizeConfig(method=m, bits=3, group_size=32, search_tokens=512), _batches(n=8))
+        cfg = QuantizeConfig(method=m.split("-")[0], bits=3, group_size=32, search_tokens=512, **extra)
+        quantize_model(model, cfg, _batches(n=8))
         with torch.no_grad():
             errs[m] = (model(ids).logits - ref).pow(2).mean().item()
     assert errs["gptq"] < errs["rtn"]
     assert errs["awq"] < errs["rtn"]
+    assert errs["awq-gptq"] < errs["awq"]  # error feedback on top of the scales
 
 
 def test_ragged_groups_are_recorded():
