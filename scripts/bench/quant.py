@@ -59,7 +59,7 @@ def tasks(model, tok, args) -> dict:
     from eval.tasks import run_tasks
 
     res = run_tasks(model, tok, args.tasks.split(","), limit=args.limit)
-    return {t: m.get("acc", next(iter(m.values()))) for t, m in res.items()}
+    return {t: m.get("acc_norm", m.get("acc", next(iter(m.values())))) for t, m in res.items()}  # acc_norm if defined
 
 
 def ours(recipe: str, tokens: dict, args) -> dict:
@@ -100,7 +100,7 @@ def llmc(method: str, fp_dir: Path, tok_path: Path, nsamples: int = 0) -> dict:
 def table(rows: list[dict], base: dict) -> str:
     gap = {k: None for k in base["ppl"]}
     rtn = next((r for r in rows if r["recipe"] == "rtn4"), None)
-    head = "| recipe | size MiB | wiki ppl | LAMBADA ppl | gap closed vs rtn4 (wiki / LAMBADA) | accuracy | quantize s | peak RSS MiB |"
+    head = "| recipe | size MiB | wiki ppl | LAMBADA ppl | gap closed vs rtn4 (wiki / LAMBADA) | task acc: average (each) | quantize s | peak RSS MiB |"
     lines = [head, "|" + "---|" * 8]
     for r in [base, *rows]:
         closed = ""
@@ -108,7 +108,8 @@ def table(rows: list[dict], base: dict) -> str:
             closed = " / ".join(f"{(rtn['ppl'][k] - r['ppl'][k]) / (rtn['ppl'][k] - base['ppl'][k]) * 100:.0f}%"
                                 for k in ("wiki", "lambada"))
         acc = r.get("accuracy")
-        acc_s = ", ".join(f"{k} {v * 100:.1f}" for k, v in acc.items()) if acc else ""
+        acc_s = (f"{sum(acc.values()) / len(acc) * 100:.1f} (" + ", ".join(f"{k} {v * 100:.1f}" for k, v in acc.items())
+                 + ")") if acc else ""
         size = f"{r['size_bytes'] / 2**20:.0f}" if r.get("size_bytes") else ""
         secs = f"{r['seconds']:.0f}" if r.get("seconds") else ""
         rss = f"{r['peak_rss_bytes'] / 2**20:.0f}" if r.get("peak_rss_bytes") else ""
@@ -121,7 +122,7 @@ def table(rows: list[dict], base: dict) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--recipes", default="rtn4,gptq4,awq4,nf4,int8")
+    ap.add_argument("--recipes", default="rtn4,gptq4,awq4,awq-gptq4,nf4,int8")
     ap.add_argument("--llmc", default="rtn,gptq,awq", help="llm-compressor methods to run side by side ('' for none)")
     ap.add_argument("--llmc-awq-nsamples", type=int, default=8,
                     help="calibration windows for llm-compressor's AWQ: it forwards every window per grid point, "
