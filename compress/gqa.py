@@ -140,7 +140,8 @@ def _merge_block(attn: nn.Module, layout: AttnLayout, sigma: Tensor, n_heads: in
 
     lins = {n: attn.get_submodule(getattr(layout, n)) for n in ("q", "k", "v", "o")}
     m = merge_attention(augmented(lins["q"]), augmented(lins["k"]), augmented(lins["v"]),
-                        lins["o"].weight.detach().double(), sigma, n_heads, n_kv, new_kv, rope)
+                        lins["o"].weight.detach().double(), sigma.to(lins["q"].weight.device), n_heads, n_kv,
+                        new_kv, rope)
     setattr(attn, layout.q, _split_linear(lins["q"], m.q))
     setattr(attn, layout.k, _split_linear(lins["k"], m.k) if m.k is not None else
             _pooled_linear(lins["k"], n_heads, n_kv, new_kv))

@@ -33,8 +33,8 @@ def collect_input_moments(model: nn.Module, batches: list[Tensor], modules: list
                           max_tokens: int = MAX_STATS_TOKENS) -> list[Tensor]:
     """One fp forward over ``batches``: the second moment ``E[x~ x~^T]`` (fp64 ``[in + 1, in + 1]``) of
     the augmented input ``x~ = [x, 1]`` of each of ``modules`` (e.g. every layer's k_proj)."""
-    d = modules[0].in_features
-    acc = [torch.zeros(d + 1, d + 1, dtype=torch.float64) for _ in modules]
+    d, device = modules[0].in_features, modules[0].weight.device
+    acc = [torch.zeros(d + 1, d + 1, dtype=torch.float64, device=device) for _ in modules]
 
     def hook_for(i: int):
         def hook(module, args):
