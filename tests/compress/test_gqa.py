@@ -135,6 +135,14 @@ def test_pca_stays_closer_to_the_original_than_mean_pooling(family):
     assert kl["pca"] < kl["mean"]
 
 
+def test_keys_merge_per_rope_plane_only_with_full_rotary_and_no_k_norm():
+    cfg = tiny_config("llama")
+    assert gqa.rope_keys(cfg, gqa.attn_layout("llama"))
+    assert not gqa.rope_keys(tiny_config("qwen3"), gqa.attn_layout("qwen3"))
+    cfg.partial_rotary_factor = 0.5
+    assert not gqa.rope_keys(cfg, gqa.attn_layout("llama"))
+
+
 def test_kv_init_is_checked():
     model = _model("llama", 8, 4)
     with pytest.raises(ValueError, match="kv init 'pca' needs calibration text"):
