@@ -98,7 +98,6 @@ def llmc(method: str, fp_dir: Path, tok_path: Path, nsamples: int = 0) -> dict:
 
 
 def table(rows: list[dict], base: dict) -> str:
-    gap = {k: None for k in base["ppl"]}
     rtn = next((r for r in rows if r["recipe"] == "rtn4"), None)
     head = "| recipe | size MiB | wiki ppl | LAMBADA ppl | gap closed vs rtn4 (wiki / LAMBADA) | task acc: average (each) | quantize s | peak RSS MiB |"
     lines = [head, "|" + "---|" * 8]
@@ -115,7 +114,6 @@ def table(rows: list[dict], base: dict) -> str:
         rss = f"{r['peak_rss_bytes'] / 2**20:.0f}" if r.get("peak_rss_bytes") else ""
         lines.append(f"| {r['recipe']} | {size} | {r['ppl']['wiki']:.2f} | {r['ppl']['lambada']:.2f} | {closed} | "
                      f"{acc_s} | {secs} | {rss} |")
-    del gap
     return "\n".join(lines)
 
 
