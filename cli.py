@@ -50,6 +50,8 @@ def _mb(n: int) -> str:
 @click.option("--kv-heads", type=int, default=None, help="Pool the KV heads down to N (GQA/MQA) before quantizing.")
 @click.option("--kv-init", type=click.Choice(["pca", "mean"]), default=None,
               help="--kv-heads: activation-aware merge (pca, uses calibration text) or mean pooling.")
+@click.option("--kv-fit-steps", type=int, default=None,
+              help="--kv-heads: steps per layer fitting each merged attention to the original's outputs (0: none).")
 @click.option("--uptrain-steps", type=int, default=None, help="Distillation steps after --kv-heads (0: none).")
 @click.option("--steps", type=int, default=None, help="QAT: fine-tuning steps.")
 @click.option("--lr", type=float, default=None, help="QAT: learning rate of the weights.")
@@ -59,7 +61,8 @@ def _mb(n: int) -> str:
 @click.option("--allow-pickle", is_flag=True, help="Allow pickled .bin weights (they can run code when loaded).")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the summary as JSON.")
 def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size, sym, act_order, seed, kv_heads,
-             kv_init, uptrain_steps, steps, lr, qat_init, overwrite, trust_remote_code, allow_pickle, json_path):
+             kv_init, kv_fit_steps, uptrain_steps, steps, lr, qat_init, overwrite, trust_remote_code, allow_pickle,
+             json_path):
     """Quantize MODEL with a recipe into a packed checkpoint folder."""
     from pathlib import Path
 
@@ -71,7 +74,8 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
 
     cfg = load_recipe(recipe).replace(calib=calib, nsamples=nsamples, seqlen=seqlen, bits=bits, group_size=group_size,
                                       sym=sym, act_order=act_order, seed=seed, kv_heads=kv_heads,
-                                      kv_init=kv_init, uptrain_steps=uptrain_steps, steps=steps, lr=lr, init=qat_init)
+                                      kv_init=kv_init, kv_fit_steps=kv_fit_steps, uptrain_steps=uptrain_steps,
+                                      steps=steps, lr=lr, init=qat_init)
     src = resolve(model_spec)
     out = out or str(Path("out") / f"{src.name}-{Path(recipe).stem}")
     s = cfg.scheme
@@ -102,6 +106,8 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
         g = notes["gqa"]
         click.echo(f"kv heads: {g['kv_heads_before']} -> {g['kv_heads_after']}, KV cache "
                    f"{g['kv_bytes_per_token_before']:,} -> {g['kv_bytes_per_token_after']:,} bytes/token (fp16)"
+                   + (f", attention fit error {g['fit_error_before']:.3f} -> {g['fit_error_after']:.3f}"
+                      if "fit_error_before" in g else "")
                    + (f", uptraining KL {g['uptrain_loss_first']:.4f} -> {g['uptrain_loss_last']:.4f}"
                       if "uptrain_loss_first" in g else ""))
     if "qat" in notes:

@@ -14,6 +14,7 @@ QAT_INITS = ("rtn", "awq")
 ROUNDINGS = ("rtn", "gptq")  # awq's final rounding
 TRAIN_DTYPES = ("bfloat16", "float32")
 KV_INITS = ("mean", "pca")  # compress/gqa.py
+UPTRAIN_SCOPES = ("blocks", "attn")  # compress/gqa.py: uptraining moves whole decoder blocks, or attention only
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
@@ -59,8 +60,11 @@ class QuantizeConfig:
     # gqa: pool the KV heads down to kv_heads (0 keeps them), uptrain for uptrain_steps, then quantize
     kv_heads: int = 0
     kv_init: str = "pca"  # new KV heads: "pca" (activation-aware merge, needs calibration) or "mean" pooling
+    kv_fit_steps: int = 0  # then fit each merged attention to the original's outputs, this many steps per layer
+    kv_fit_lr: float = 1e-3
     uptrain_steps: int = 0
     uptrain_lr: float = 5e-5
+    uptrain_scope: str = "blocks"  # what uptraining moves: whole decoder "blocks" or "attn" (attention) only
     # moe: an expert routed fewer calibration tokens than this is RTN-quantized (None: compress.moe default)
     moe_min_tokens: int | None = None
 
@@ -93,7 +97,7 @@ class QuantizeConfig:
             raise ValueError(f"init={self.init!r} is unknown; use one of {QAT_INITS}")
         if self.steps < 1:
             raise ValueError(f"steps={self.steps} must be >= 1")
-        for name in ("lr", "uptrain_lr"):
+        for name in ("lr", "uptrain_lr", "kv_fit_lr"):
             if not 0 < getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1), e.g. 1e-5")
         if not 0 <= self.scale_lr < 1:
@@ -104,10 +108,13 @@ class QuantizeConfig:
             raise ValueError(f"kv_heads={self.kv_heads} must be >= 1 (or 0 to keep the model's KV heads)")
         if self.kv_init not in KV_INITS:
             raise ValueError(f"kv_init={self.kv_init!r} is unknown; use one of {KV_INITS}")
-        if self.uptrain_steps < 0:
-            raise ValueError(f"uptrain_steps={self.uptrain_steps} must be >= 0")
-        if self.uptrain_steps and not self.kv_heads:
-            raise ValueError(f"uptrain_steps={self.uptrain_steps} uptrains a KV-head conversion; set kv_heads too")
+        for name in ("uptrain_steps", "kv_fit_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+            if getattr(self, name) and not self.kv_heads:
+                raise ValueError(f"{name}={getattr(self, name)} trains a KV-head conversion; set kv_heads too")
+        if self.uptrain_scope not in UPTRAIN_SCOPES:
+            raise ValueError(f"uptrain_scope={self.uptrain_scope!r} is unknown; use one of {UPTRAIN_SCOPES}")
         if self.moe_min_tokens is not None and self.moe_min_tokens < 1:
             raise ValueError(f"moe_min_tokens={self.moe_min_tokens} must be >= 1")
 
@@ -118,7 +125,7 @@ class QuantizeConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return (self.method in ("gptq", "awq", "qat") or self.uptrain_steps > 0
+        return (self.method in ("gptq", "awq", "qat") or self.uptrain_steps > 0 or self.kv_fit_steps > 0
                 or (self.kv_heads > 0 and self.kv_init == "pca"))
 
     def replace(self, **changes) -> "QuantizeConfig":

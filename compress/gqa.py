@@ -12,6 +12,9 @@ new head ``h // (H / K')``. With ``mean``, new head ``j`` is the mean, over the 
 of the old head each of them read (``pca`` merges the same old heads). When ``K'`` divides ``K`` that is
 the plain mean of ``K / K'`` whole old heads; any ``K'`` that divides ``H`` and does not exceed ``K``
 works. A per-head-dim key norm (qwen3's ``k_norm``) is shared by all heads and stays as it is.
+
+After either init, ``fit_steps`` fits each converted attention module to the original module's outputs,
+one layer at a time (compress/gqa_fit.py), and ``steps`` of uptraining distil the whole model end to end.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from compress.config import KV_INITS
+from compress.config import KV_INITS, UPTRAIN_SCOPES
+from compress.gqa_fit import FitProgress, FitResult
 from compress.train import TrainConfig, TrainProgress, TrainResult, distill
 
 log = logging.getLogger(__name__)
@@ -40,9 +44,11 @@ class AttnLayout:
     rope_keys: bool = True  # keys are q.k-scored right after rotate_half RoPE (no per-head q/k norm in between)
 
 
+FIT_WINDOWS = 256  # calibration windows that layer-wise fitting learns from (32 batches of 8; 64 overfit)
+FIT_BATCH = 8
+
 _STD = AttnLayout()
 _QK_NORM = AttnLayout(rope_keys=False)
-UPTRAIN_SCOPES = ("blocks", "attn")  # which parameters uptraining moves: whole decoder blocks, or attention only
 # olmo/olmoe normalise k over all KV heads at once (k_norm of width K * head_dim): no exact pooling, left out
 ATTN_LAYOUTS: dict[str, AttnLayout] = {
     **{t: _STD for t in ("llama", "mistral", "qwen2", "gemma", "gemma2", "mixtral", "qwen2_moe")},
@@ -155,6 +161,7 @@ class GQAReport:
     kv_heads_after: int
     kv_bytes_per_token_before: int  # fp16 KV cache
     kv_bytes_per_token_after: int
+    fit: FitResult | None = None
     uptrain: TrainResult | None = None
 
 
@@ -236,16 +243,29 @@ def uptrain(model: nn.Module, teacher: nn.Module, ids: Tensor, steps: int, lr: f
 def convert_and_uptrain(model: nn.Module, kv_heads: int, batches: list[Tensor] | None = None, steps: int = 0,
                         lr: float = 5e-5, teacher: nn.Module | None = None, batch_size: int = 4,
                         dtype: str = "bfloat16", seed: int = 0, progress: TrainProgress | None = None,
-                        init: str = "pca", scope: str = "blocks") -> GQAReport:
-    """Convert (``init``: see ``convert``), then (``steps > 0``) uptrain against ``teacher`` (default: a
-    copy of ``model`` as given)."""
+                        init: str = "pca", scope: str = "blocks", fit_steps: int = 0, fit_lr: float = 1e-3,
+                        fit_progress: FitProgress | None = None) -> GQAReport:
+    """Convert (``init``: see ``convert``), then (``fit_steps > 0``) fit each converted attention module
+    to the original's outputs layer by layer (compress/gqa_fit.py), then (``steps > 0``) uptrain end to
+    end against ``teacher`` (default: a copy of ``model`` as given)."""
     check_kv_heads(model.config, kv_heads)
-    if steps and not batches:
-        raise ValueError("uptraining after --kv-heads needs calibration text; give --calib (e.g. wiki)")
+    if (steps or fit_steps) and not batches:
+        raise ValueError("training after --kv-heads (uptrain or fit steps) needs calibration text; "
+                         "give --calib (e.g. wiki)")
+    if scope not in UPTRAIN_SCOPES:
+        raise ValueError(f"uptraining scope {scope!r} is unknown; use one of {UPTRAIN_SCOPES}")
     check_init(init, batches)
-    if steps and teacher is None:
+    if (steps or fit_steps) and teacher is None:
         teacher = copy.deepcopy(model)
     report = convert(model, kv_heads, init, batches)
+    if fit_steps:
+        from compress.gqa_fit import fit_to_teacher
+
+        rows = torch.cat(list(batches))[:FIT_WINDOWS].split(FIT_BATCH)
+        report.fit = fit_to_teacher(model, teacher, list(rows), attn_layout(model.config.model_type).attn,
+                                    fit_steps, fit_lr, seed, fit_progress)
+        log.info("attention fitting: relative error %.4f -> %.4f in %.0f s", report.fit.mean_before,
+                 report.fit.mean_after, report.fit.seconds)
     if steps:
         report.uptrain = uptrain(model, teacher, torch.cat(list(batches)), steps, lr, batch_size, dtype, seed,
                                  progress, scope)
@@ -257,7 +277,8 @@ def convert_and_uptrain(model: nn.Module, kv_heads: int, batches: list[Tensor] |
 def convert_to_folder(model_spec: str, kv_heads: int, out: str, uptrain_steps: int = 0, lr: float = 5e-5,
                       calib: str = "wiki", nsamples: int = 512, seqlen: int = 256, batch_size: int = 4,
                       dtype: str = "bfloat16", seed: int = 0, overwrite: bool = False,
-                      progress: TrainProgress | None = None, init: str = "pca", scope: str = "blocks") -> GQAReport:
+                      progress: TrainProgress | None = None, init: str = "pca", scope: str = "blocks",
+                      fit_steps: int = 0, fit_lr: float = 1e-3, fit_progress: FitProgress | None = None) -> GQAReport:
     """Convert (and uptrain) ``model_spec`` and write it unquantized as a plain transformers folder
     (to measure what the conversion alone costs; quantize with ``kv_heads`` in a recipe to combine)."""
     from pathlib import Path
@@ -270,10 +291,11 @@ def convert_to_folder(model_spec: str, kv_heads: int, out: str, uptrain_steps: i
         raise FileExistsError(f"{out} already exists; pass overwrite=True to replace it")
     model, tokenizer, _ = load_model(model_spec)
     check_kv_heads(model.config, kv_heads)
-    ids = calibration_batches(tokenizer, calib, nsamples, seqlen, seed) if uptrain_steps or init == "pca" else None
+    needs_text = uptrain_steps or fit_steps or init == "pca"
+    ids = calibration_batches(tokenizer, calib, nsamples, seqlen, seed) if needs_text else None
     report = convert_and_uptrain(model, kv_heads, None if ids is None else [ids], uptrain_steps, lr,
                                  batch_size=batch_size, dtype=dtype, seed=seed, progress=progress, init=init,
-                                 scope=scope)
+                                 scope=scope, fit_steps=fit_steps, fit_lr=fit_lr, fit_progress=fit_progress)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -252,14 +252,19 @@ def _convert_kv_heads(model: nn.Module, cfg: QuantizeConfig, batches, report: Qu
 
     from compress import gqa
 
-    teacher = copy.deepcopy(model) if cfg.uptrain_steps or cfg.method == "qat" else None
+    trains = cfg.uptrain_steps or cfg.kv_fit_steps or cfg.method == "qat"
+    teacher = copy.deepcopy(model) if trains else None
     res = gqa.convert_and_uptrain(model, cfg.kv_heads, batches, cfg.uptrain_steps, cfg.uptrain_lr, teacher,
-                                  cfg.batch_size, cfg.train_dtype, cfg.seed, train_progress, cfg.kv_init)
-    report.notes["gqa"] = {k: v for k, v in asdict(res).items() if k != "uptrain"}
+                                  cfg.batch_size, cfg.train_dtype, cfg.seed, train_progress, cfg.kv_init,
+                                  cfg.uptrain_scope, cfg.kv_fit_steps, cfg.kv_fit_lr)
+    report.notes["gqa"] = {k: v for k, v in asdict(res).items() if k not in ("uptrain", "fit")}
+    if res.fit is not None:
+        report.notes["gqa"].update(fit_error_before=res.fit.mean_before, fit_error_after=res.fit.mean_after,
+                                   fit_seconds=res.fit.seconds)
     if res.uptrain is not None:
         report.notes["gqa"].update(uptrain_loss_first=res.uptrain.first, uptrain_loss_last=res.uptrain.last,
                                    uptrain_seconds=res.uptrain.seconds)
-    return teacher
+    return teacher if cfg.method == "qat" else None
 
 
 def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] | None = None,

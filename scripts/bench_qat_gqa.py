@@ -9,12 +9,15 @@ Runs (each writes runs/qat_gqa/NAME/; an existing folder is reused unless --over
   mqa-uptrain         the same plus --uptrain-steps of distillation (at --uptrain-lr)
   mqa-pca             3 -> 1 KV heads by activation-aware, RoPE-compatible merging (compress/gqa_pca.py)
   mqa-pca-uptrain     the same plus --uptrain-steps of distillation (at --uptrain-lr)
+  mqa-pca-fit         mqa-pca plus --fit-steps per layer fitting each attention to the original's outputs
+  mqa-pca-fit-uptrain the same plus --uptrain-steps of distillation (recipes/mqa-awq4.yaml's GQA part)
 Then every folder and the fp model are scored on the eval splits (disjoint from calibration) with
 eval.report.evaluate_model, and a table prints: ppl per text, the share of RTN's gap to fp that each
 method closes, training seconds, and KV-cache bytes per token.
 
   .venv/bin/python scripts/bench_qat_gqa.py [--runs rtn4,awq4,qat4,qat4-rtn,mqa,mqa-uptrain]
       [--qat-steps N] [--uptrain-steps N] [--uptrain-lr 5e-5] [--uptrain-scope blocks|attn]
+      [--fit-steps 300] [--fit-lr 1e-3]
       [--max-windows 128] [--out runs/qat_gqa] [--overwrite]
 """
 from __future__ import annotations
@@ -29,8 +32,10 @@ MODEL = "smollm2-135m"
 DEFAULT_RUNS = "rtn4,awq4,qat4,qat4-rtn,mqa,mqa-uptrain"
 QUANT_RUNS = {"rtn4": ("rtn4", {}), "awq4": ("awq4", {}), "qat4": ("qat4", {}), "qat4-rtn": ("qat4", {"init": "rtn"}),
               "qat4-learnzero": ("qat4", {"learn_zero": True})}
-# name -> (uptraining steps (None: --uptrain-steps), KV-head init)
-GQA_RUNS = {"mqa": (0, "mean"), "mqa-uptrain": (None, "mean"), "mqa-pca": (0, "pca"), "mqa-pca-uptrain": (None, "pca")}
+# name -> (uptraining steps (None: --uptrain-steps), KV-head init, layer-wise fitting (--fit-steps) or not)
+GQA_RUNS = {"mqa": (0, "mean", False), "mqa-uptrain": (None, "mean", False), "mqa-pca": (0, "pca", False),
+            "mqa-pca-uptrain": (None, "pca", False), "mqa-pca-fit": (0, "pca", True),
+            "mqa-pca-fit-uptrain": (None, "pca", True)}
 
 
 def _train_bar(name: str):
@@ -55,15 +60,23 @@ def run_quant(name: str, out: Path, qat_steps: int | None, overwrite: bool) -> d
     return {"seconds": res.seconds, "out_bytes": res.out_bytes, **res.report.notes}
 
 
-def run_gqa(name: str, out: Path, uptrain_steps: int, lr: float, init: str, scope: str, overwrite: bool) -> dict:
+def run_gqa(name: str, out: Path, uptrain_steps: int, lr: float, init: str, scope: str, fit_steps: int,
+            fit_lr: float, overwrite: bool) -> dict:
     from compress import gqa
+
+    def fit_progress(layer: int, layers: int, before: float, after: float) -> None:
+        print(f"{name} fit layer {layer}/{layers}: relative error {before:.4f} -> {after:.4f}", flush=True)
 
     t0 = time.perf_counter()
     rep = gqa.convert_to_folder(MODEL, 1, str(out), uptrain_steps=uptrain_steps, lr=lr, overwrite=overwrite,
-                                progress=_train_bar(name), init=init, scope=scope)
+                                progress=_train_bar(name), init=init, scope=scope, fit_steps=fit_steps,
+                                fit_lr=fit_lr, fit_progress=fit_progress)
     info = {"seconds": time.perf_counter() - t0, "init": init, "uptrain_lr": lr, "uptrain_scope": scope,
             "kv_heads": [rep.kv_heads_before, rep.kv_heads_after],
             "kv_bytes_per_token": [rep.kv_bytes_per_token_before, rep.kv_bytes_per_token_after]}
+    if rep.fit is not None:
+        info.update(fit_steps=fit_steps, fit_lr=fit_lr, fit_seconds=rep.fit.seconds,
+                    fit_error=[rep.fit.mean_before, rep.fit.mean_after])
     if rep.uptrain is not None:
         info.update(uptrain_steps=len(rep.uptrain.losses), uptrain_seconds=rep.uptrain.seconds,
                     uptrain_kl=[rep.uptrain.first, rep.uptrain.last])
@@ -82,7 +95,7 @@ def summarize(results: dict) -> str:
         if rtn and name not in ("fp", "rtn4") and not name.startswith("mqa"):
             closed = " ".join(f"{(rtn[t] - r['ppl'][t]) / (rtn[t] - fp[t]):7.0%}" if rtn[t] != fp[t] else "    -"
                               for t in fp)
-        train = r.get("qat", {}).get("train_seconds") or r.get("uptrain_seconds")
+        train = r.get("qat", {}).get("train_seconds") or (r.get("uptrain_seconds", 0) + r.get("fit_seconds", 0))
         kv = r.get("kv_bytes_per_token", results["fp"].get("kv_bytes_per_token"))
         kv = kv[1] if isinstance(kv, list) else kv  # a GQA run records [before, after]
         lines.append(f"{name:16s} " + " ".join(f"{r['ppl'][t]:12.3f}" for t in fp) + f"  {closed:18s}"
@@ -101,6 +114,8 @@ def main() -> None:
     ap.add_argument("--uptrain-steps", type=int, default=200)
     ap.add_argument("--uptrain-lr", type=float, default=5e-5)
     ap.add_argument("--uptrain-scope", default="blocks", help="train decoder blocks, or attn(ention) only")
+    ap.add_argument("--fit-steps", type=int, default=300, help="layer-wise fitting steps per layer (*-fit runs)")
+    ap.add_argument("--fit-lr", type=float, default=1e-3)
     ap.add_argument("--max-windows", type=int, default=128, help="512-token windows scored per text")
     ap.add_argument("--ppl", default="wiki,lambada")
     ap.add_argument("--out", default="runs/qat_gqa")
@@ -134,9 +149,9 @@ def main() -> None:
         if name in QUANT_RUNS:
             results[name] = run_quant(name, out, args.qat_steps, args.overwrite)
         else:
-            steps, init = GQA_RUNS[name]
+            steps, init, fit = GQA_RUNS[name]
             results[name] = run_gqa(name, out, args.uptrain_steps if steps is None else steps, args.uptrain_lr, init,
-                                    args.uptrain_scope, args.overwrite)
+                                    args.uptrain_scope, args.fit_steps if fit else 0, args.fit_lr, args.overwrite)
         results_path.write_text(json.dumps(results, indent=2))
     texts = {s: load_texts(s, "eval") for s in args.ppl.split(",")}
     for name in ["fp", *runs]:
