@@ -245,8 +245,9 @@ def _with_experts(per_block, layout, cfg: QuantizeConfig, report: QuantizeReport
 
 
 def _convert_kv_heads(model: nn.Module, cfg: QuantizeConfig, batches, report: QuantizeReport,
-                      train_progress: TrainProgress | None) -> nn.Module | None:
-    """GQA conversion (+ uptraining); returns the original model when a later step distils from it."""
+                      progress: Progress | None, train_progress: TrainProgress | None) -> nn.Module | None:
+    """GQA conversion (+ layer-wise fitting, reported per layer on ``progress``, + uptraining); returns the
+    original model when a later step distils from it."""
     import copy
     from dataclasses import asdict
 
@@ -256,7 +257,8 @@ def _convert_kv_heads(model: nn.Module, cfg: QuantizeConfig, batches, report: Qu
     teacher = copy.deepcopy(model) if trains else None
     res = gqa.convert_and_uptrain(model, cfg.kv_heads, batches, cfg.uptrain_steps, cfg.uptrain_lr, teacher,
                                   cfg.batch_size, cfg.train_dtype, cfg.seed, train_progress, cfg.kv_init,
-                                  cfg.uptrain_scope, cfg.kv_fit_steps, cfg.kv_fit_lr)
+                                  cfg.uptrain_scope, cfg.kv_fit_steps, cfg.kv_fit_lr,
+                                  None if progress is None else lambda layer, layers, *_: progress(layer, layers))
     report.notes["gqa"] = {k: v for k, v in asdict(res).items() if k not in ("uptrain", "fit")}
     if res.fit is not None:
         report.notes["gqa"].update(fit_error_before=res.fit.mean_before, fit_error_after=res.fit.mean_after,
@@ -280,7 +282,7 @@ def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] 
     if cfg.needs_calibration and not batches:
         raise ValueError(f"method {cfg.method}" + (" with uptrain_steps" if cfg.uptrain_steps else "")
                          + " needs calibration data; give --calib (e.g. wiki)")
-    teacher = _convert_kv_heads(model, cfg, batches, report, train_progress) if cfg.kv_heads else None
+    teacher = _convert_kv_heads(model, cfg, batches, report, progress, train_progress) if cfg.kv_heads else None
     if cfg.method == "qat":
         from compress import qat
 
