@@ -84,8 +84,12 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
                                                   if cfg.needs_calibration else ", data-free"))
     bar = tqdm(total=None, desc="blocks", unit="block")
 
-    def progress(done: int, total: int) -> None:
-        bar.total = total
+    def progress(done: int, total: int) -> None:  # blocks (KV fitting, then calibration): restarts per pass
+        if done == 1:
+            bar.reset(total=total)
+            bar.set_description("blocks")
+            bar.unit = "block"
+            bar.set_postfix()
         bar.update(done - bar.n)
 
     def train_progress(step: int, steps: int, loss: float) -> None:  # QAT / uptraining: the bar restarts per run
