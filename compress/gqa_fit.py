@@ -11,7 +11,7 @@ follow then starts far closer (on SmolLM2 3 -> 1 KV heads, see BENCHMARKS.md).
 The teacher's hidden states walk through its blocks with the layer-by-layer driver (compress/calibrate.py):
 one block's activations are held at a time, so memory is bounded as in calibration: about four fp32
 copies of ``windows x seqlen x hidden`` (the block's inputs and outputs, the attention's inputs and outputs),
-1.2 GB for SmolLM2 with 256 windows of 256 tokens.
+0.6 GB for SmolLM2 with 256 windows of 256 tokens.
 """
 from __future__ import annotations
 
