@@ -165,6 +165,11 @@ class GQAReport:
     uptrain: TrainResult | None = None
 
 
+def check_scope(scope: str) -> None:
+    if scope not in UPTRAIN_SCOPES:
+        raise ValueError(f"uptraining scope {scope!r} is unknown; use one of {UPTRAIN_SCOPES}")
+
+
 def check_init(init: str, batches: list[Tensor] | None) -> None:
     if init not in KV_INITS:
         raise ValueError(f"kv init {init!r} is unknown; use one of {KV_INITS}")
@@ -220,8 +225,7 @@ def uptrain(model: nn.Module, teacher: nn.Module, ids: Tensor, steps: int, lr: f
     (``scope="blocks"``) or only the attention modules' (``"attn"``); embeddings and the output head stay."""
     from compress.calibrate import decoder_layers
 
-    if scope not in UPTRAIN_SCOPES:
-        raise ValueError(f"uptraining scope {scope!r} is unknown; use one of {UPTRAIN_SCOPES}")
+    check_scope(scope)
     blocks = decoder_layers(model)
     attn = attn_layout(model.config.model_type).attn
     params = list(blocks.parameters() if scope == "blocks" else
@@ -252,22 +256,22 @@ def convert_and_uptrain(model: nn.Module, kv_heads: int, batches: list[Tensor] |
     if (steps or fit_steps) and not batches:
         raise ValueError("training after --kv-heads (uptrain or fit steps) needs calibration text; "
                          "give --calib (e.g. wiki)")
-    if scope not in UPTRAIN_SCOPES:
-        raise ValueError(f"uptraining scope {scope!r} is unknown; use one of {UPTRAIN_SCOPES}")
+    check_scope(scope)
     check_init(init, batches)
     if (steps or fit_steps) and teacher is None:
         teacher = copy.deepcopy(model)
     report = convert(model, kv_heads, init, batches)
+    ids = torch.cat(list(batches)) if steps or fit_steps else None
     if fit_steps:
         from compress.gqa_fit import fit_to_teacher
 
-        rows = torch.cat(list(batches))[:FIT_WINDOWS].split(FIT_BATCH)
+        rows = ids[:FIT_WINDOWS].split(FIT_BATCH)
         report.fit = fit_to_teacher(model, teacher, list(rows), attn_layout(model.config.model_type).attn,
                                     fit_steps, fit_lr, seed, fit_progress)
         log.info("attention fitting: relative error %.4f -> %.4f in %.0f s", report.fit.mean_before,
                  report.fit.mean_after, report.fit.seconds)
     if steps:
-        report.uptrain = uptrain(model, teacher, torch.cat(list(batches)), steps, lr, batch_size, dtype, seed,
+        report.uptrain = uptrain(model, teacher, ids, steps, lr, batch_size, dtype, seed,
                                  progress, scope)
         log.info("uptraining: KL %.4f -> %.4f in %.0f s", report.uptrain.first, report.uptrain.last,
                  report.uptrain.seconds)

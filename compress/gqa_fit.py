@@ -15,12 +15,14 @@ copies of ``windows x seqlen x hidden`` (the block's inputs and outputs, the att
 """
 from __future__ import annotations
 
-import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+
+from compress.train import cosine_factor
 
 FitProgress = Callable[[int, int, float, float], None]  # (layer, layers, error before, error after)
 
@@ -92,7 +94,7 @@ def fit_attention(attn: nn.Module, io: AttentionIO, steps: int, lr: float, seed:
     try:
         for step in range(steps):
             for g in opt.param_groups:
-                g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+                g["lr"] = lr * cosine_factor(step, steps, warmup=0.0)
             i = int(torch.randint(len(io.inputs), (1,), generator=gen))
             loss = relative_error(_run(attn, io, i), io.outputs[i])
             if not torch.isfinite(loss):
@@ -111,8 +113,6 @@ def fit_to_teacher(student: nn.Module, teacher: nn.Module, batches: list[Tensor]
                    lr: float, seed: int = 0, progress: FitProgress | None = None) -> FitResult:
     """Fit each of ``student``'s attention modules (``attn_name`` in every decoder block) to the
     corresponding module of ``teacher`` on the teacher's own hidden states for ``batches`` of token ids."""
-    import time
-
     from compress.calibrate import BlockInputs, capture_inputs, check_finite, decoder_layers
 
     s_layers, t_layers = decoder_layers(student), decoder_layers(teacher)
