@@ -267,7 +267,7 @@ def convert_and_uptrain(model: nn.Module, kv_heads: int, batches: list[Tensor] |
 
         rows = ids[:FIT_WINDOWS].split(FIT_BATCH)
         report.fit = fit_to_teacher(model, teacher, list(rows), attn_layout(model.config.model_type).attn,
-                                    fit_steps, fit_lr, seed, fit_progress)
+                                    fit_steps, fit_lr, seed, fit_progress, dtype)
         log.info("attention fitting: relative error %.4f -> %.4f in %.0f s", report.fit.mean_before,
                  report.fit.mean_after, report.fit.seconds)
     if steps:

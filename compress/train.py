@@ -77,7 +77,7 @@ def cosine_factor(step: int, steps: int, warmup: float) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _autocast(dtype: str):
+def autocast(dtype: str):
     if dtype == "float32":
         return contextlib.nullcontext()
     return torch.autocast("cpu", dtype=getattr(torch, dtype))
@@ -99,7 +99,7 @@ def evaluate_kl(student: nn.Module, teacher: nn.Module, ids: Tensor, batch_size:
     total, n = 0.0, 0
     for i in range(0, ids.shape[0], batch_size):
         x = ids[i:i + batch_size]
-        with _autocast(dtype):
+        with autocast(dtype):
             loss = kl_loss(student(input_ids=x).logits, teacher(input_ids=x).logits)
         total += loss.item() * x.shape[0]
         n += x.shape[0]
@@ -126,9 +126,9 @@ def distill(student: nn.Module, teacher: nn.Module, ids: Tensor, param_groups: l
         factor = cosine_factor(step, cfg.steps, cfg.warmup)
         for g, lr in zip(opt.param_groups, base):
             g["lr"] = lr * factor
-        with torch.no_grad(), _autocast(cfg.dtype):
+        with torch.no_grad(), autocast(cfg.dtype):
             target = teacher(input_ids=x).logits
-        with _autocast(cfg.dtype):
+        with autocast(cfg.dtype):
             logits = student(input_ids=x).logits
         loss = kl_loss(logits, target)
         del target, logits

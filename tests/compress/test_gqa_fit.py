@@ -51,9 +51,21 @@ def test_fit_attention_minimises_the_relative_error_of_the_recorded_outputs():
     xs = [torch.randn(4, 8) for _ in range(3)]
     with torch.no_grad():
         io = AttentionIO(xs, [target(x) for x in xs], [{} for _ in xs])
-    before, after = fit_attention(lin, io, steps=300, lr=3e-2)
+    before, after = fit_attention(lin, io, steps=300, lr=3e-2, dtype="float32")
     assert before > 0.3 and after < 1e-3
     assert relative_error(torch.ones(3), torch.ones(3)).item() == 0
+
+
+def test_bf16_autocast_fits_like_fp32():  # the default dtype only rounds, it does not change what is fitted
+    base = _model("llama", 8, 4)
+    merged = copy.deepcopy(base)
+    gqa.convert(merged, 2, "pca", _batches())
+    runs = {d: fit_to_teacher(copy.deepcopy(merged), base, _batches(n=16), "self_attn", 30, 1e-3, dtype=d)
+            for d in ("float32", "bfloat16")}
+    for (b32, a32), (b16, a16) in zip(runs["float32"].errors, runs["bfloat16"].errors):
+        assert b16 == pytest.approx(b32, rel=0.05) and a16 < b16
+        assert a16 == pytest.approx(a32, rel=0.25)
+    assert runs["float32"].errors != runs["bfloat16"].errors  # the dtype reached the forward passes
 
 
 def test_an_exact_merge_measures_zero_error():  # replaying the recorded inputs and kwargs is faithful
@@ -63,7 +75,7 @@ def test_an_exact_merge_measures_zero_error():  # replaying the recorded inputs 
     _tie_heads(base, 4, 2)
     merged = copy.deepcopy(base)
     gqa.convert(merged, 2, "pca", _batches())
-    res = fit_to_teacher(merged, base, _batches(), "self_attn", steps=0, lr=1e-4)
+    res = fit_to_teacher(merged, base, _batches(), "self_attn", steps=0, lr=1e-4, dtype="float32")
     assert max(max(e) for e in res.errors) < 1e-8
 
 
