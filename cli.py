@@ -215,13 +215,16 @@ def generate_cmd(model_spec, prompt, max_new_tokens):
 @click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Requests decoded together.")
 @click.option("--max-queue", type=int, default=256, show_default=True, help="Requests waiting beyond the batch before 429.")
 @click.option("--max-model-len", type=int, default=None, help="Context limit (default: the model's).")
-@click.option("--dtype", default="float32", show_default=True, help="Compute dtype of the engine.")
-def serve(model_spec, host, port, draft, api_key, max_num_seqs, max_queue, max_model_len, dtype):
+@click.option("--dtype", default="auto", show_default=True, help="Compute dtype: auto (bf16 for quantized checkpoints "
+              "where this CPU has native bf16, else the checkpoint's own), float32, bfloat16, float16.")
+@click.option("--lm-head", default="auto", show_default=True, type=click.Choice(["auto", "fp", "int8", "int4"]),
+              help="CPU LM head: auto (int8 for quantized checkpoints in bf16), fp, or rounded at load to int8/int4.")
+def serve(model_spec, host, port, draft, api_key, max_num_seqs, max_queue, max_model_len, dtype, lm_head):
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     from runtime.server import serve as run_server
 
     run_server(model_spec, host=host, port=port, draft=draft, api_key=api_key, max_num_seqs=max_num_seqs,
-               max_queue=max_queue, max_model_len=max_model_len, dtype=dtype)
+               max_queue=max_queue, max_model_len=max_model_len, dtype=dtype, lm_head=lm_head)
 
 
 def _levels(value: str) -> tuple[int, ...]:
@@ -242,11 +245,13 @@ def _levels(value: str) -> tuple[int, ...]:
 @click.option("--repeats", type=int, default=1, show_default=True, help="Runs per row; rows report the median run.")
 @click.option("--no-hf", is_flag=True, help="Skip the transformers generate rows.")
 @click.option("--no-spec", is_flag=True, help="Skip the speculative decoding rows.")
-@click.option("--dtype", default="float32", show_default=True, help="Engine dtype for MODEL (bfloat16 runs packed int4 "
-              "kernels); the baseline rows stay float32.")
+@click.option("--dtype", default="auto", show_default=True, help="Engine dtype for MODEL (auto: bf16 with the packed "
+              "kernels for quantized checkpoints where the CPU has bf16); the baseline rows stay float32.")
+@click.option("--lm-head", default="auto", show_default=True, type=click.Choice(["auto", "fp", "int8", "int4"]),
+              help="The engine's LM head on CPU (see compress serve).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
 def bench(model_spec, baseline, prompt_len, output_len, concurrency, requests_per_level, jitter, repeats, no_hf, no_spec,
-          dtype, json_path):
+          dtype, lm_head, json_path):
     """Throughput and latency of MODEL: transformers vs this engine, static vs continuous batching, speculative."""
     import json
     from pathlib import Path
@@ -255,7 +260,7 @@ def bench(model_spec, baseline, prompt_len, output_len, concurrency, requests_pe
 
     cfg = BenchConfig(model=model_spec, baseline=baseline, prompt_len=prompt_len, output_len=output_len,
                       concurrency=_levels(concurrency), requests_per_level=requests_per_level, jitter=jitter,
-                      repeats=repeats, hf=not no_hf, speculative=not no_spec, dtype=dtype)
+                      repeats=repeats, hf=not no_hf, speculative=not no_spec, dtype=dtype, lm_head=lm_head)
     result = run_bench(cfg, progress=lambda msg: click.echo(f"  running {msg}", err=True))
     click.echo(format_table(result["rows"]))
     if json_path:

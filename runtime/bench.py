@@ -39,7 +39,8 @@ class BenchConfig:
     num_speculative_tokens: int = 4
     kv_cache_memory: int = 1 << 30
     max_model_len: int | None = None
-    dtype: str = "float32"  # the engine on ``model``; transformers and the engine on ``baseline`` stay fp32
+    dtype: str = "auto"  # the engine on ``model``; transformers and the engine on ``baseline`` stay fp32
+    lm_head: str = "auto"  # the engine on ``model`` (EngineConfig.lm_head)
     seed: int = 0
 
     def __post_init__(self):
@@ -209,11 +210,12 @@ def _engine_classes():
     return Engine, EngineConfig, SamplingParams
 
 
-def _build_engine(cfg: BenchConfig, model: str, max_seqs: int, draft: str | None, dtype: str = "float32"):
+def _build_engine(cfg: BenchConfig, model: str, max_seqs: int, draft: str | None, dtype: str = "float32",
+                  lm_head: str = "fp"):
     Engine, EngineConfig, _ = _engine_classes()
     return Engine(EngineConfig(model=model, dtype=dtype, max_num_seqs=max_seqs, kv_cache_memory=cfg.kv_cache_memory,
                                max_model_len=cfg.max_model_len, draft=draft,
-                               num_speculative_tokens=cfg.num_speculative_tokens, seed=cfg.seed))
+                               num_speculative_tokens=cfg.num_speculative_tokens, seed=cfg.seed, lm_head=lm_head))
 
 
 def run_bench(cfg: BenchConfig, progress=None) -> dict:
@@ -266,14 +268,14 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         del engine
         gc.collect()
 
-    tag = {"float32": "", "bfloat16": "-bf16", "float16": "-fp16"}.get(cfg.dtype, f"-{cfg.dtype}")
-    engine = _build_engine(cfg, cfg.model, top, None, cfg.dtype)
+    engine = _build_engine(cfg, cfg.model, top, None, cfg.dtype, cfg.lm_head)
+    tag = {"float32": "", "bfloat16": "-bf16", "float16": "-fp16"}[engine.dtype]
     engine_rows(engine, cfg.model, f"engine{tag}", static_too=True)
     if cfg.speculative:
         engine_rows(engine, cfg.model, f"engine{tag}-grounded", static_too=False, grounded=True)
         del engine
         gc.collect()
-        engine = _build_engine(cfg, cfg.model, top, "ngram", cfg.dtype)
+        engine = _build_engine(cfg, cfg.model, top, "ngram", cfg.dtype, cfg.lm_head)
         engine_rows(engine, cfg.model, f"engine{tag}-ngram-spec-grounded", static_too=False, grounded=True)
     stats = engine.stats()
     del engine

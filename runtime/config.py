@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANT_KERNELS = ("auto", "packed", "dequant")
+LM_HEADS = ("auto", "fp", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,13 @@ class EngineConfig:
     does the same for calls of a few rows and keeps a bf16 copy of each weight for larger calls
     (prefill, batched decoding), where the packed kernels are slow; ``"dequant"`` dequantizes each
     weight once to ``dtype`` (bit-for-bit what ``QuantLinear.forward`` computes, at fp memory and speed).
+    ``dtype="auto"`` picks the compute dtype from the checkpoint and this CPU's features (runtime/cpu.py):
+    bf16 for quantized checkpoints where the CPU multiplies bf16 natively, else the checkpoint's own.
+    ``lm_head`` on CPU: ``"fp"`` keeps the model's head, ``"int8"`` (per channel) / ``"int4"`` (group 32) round it to
+    nearest at load; ``"auto"`` is int8 for a quantized checkpoint computed in bf16 (as llama.cpp stores
+    SmolLM2's head in Q8_0), else fp. A head that ``compress quantize`` quantized keeps its own format.
+    ``fused_cpu_kernels`` runs the small per-layer ops and decode attention in one fused kernel each
+    (runtime/kernels/cpu/fused_ops.cpp, built once per machine); False keeps the torch reference ops.
     Prompt lookup matches suffix n-grams of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens
     (on free-running text ``prompt_lookup_min=2`` wastes fewer verifications on CPU; 1 drafts more often).
     """
@@ -33,7 +41,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     draft: str | None = None
     num_speculative_tokens: int = 4
@@ -42,6 +50,8 @@ class EngineConfig:
     quant_kernel: str = "auto"
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    lm_head: str = "auto"
+    fused_cpu_kernels: bool = True
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -69,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} is out of range; use 1..16")
         if self.quant_kernel not in QUANT_KERNELS:
             raise ValueError(f"quant_kernel={self.quant_kernel!r} is unknown; use one of {QUANT_KERNELS}")
+        if self.lm_head not in LM_HEADS:
+            raise ValueError(f"lm_head={self.lm_head!r} is unknown; use one of {LM_HEADS}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max={self.prompt_lookup_max}: "
                              "need 1 <= min <= max")

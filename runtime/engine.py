@@ -19,6 +19,7 @@ import torch
 from runtime import detokenizer
 from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
+from runtime.cpu import resolve_dtype
 from runtime.model_runner import ForwardItem, ModelRunner, kv_bytes_per_block
 from runtime.models.llama import ModelConfig
 from runtime.models.loader import open_checkpoint
@@ -73,7 +74,12 @@ class Engine:
         if dcfg and dcfg.vocab_size != mcfg.vocab_size:
             raise ValueError(f"draft {c.draft!r} has vocab_size={dcfg.vocab_size}, the model {mcfg.vocab_size}; "
                              "the draft must share the model's tokenizer")
-        per_block = sum(kv_bytes_per_block(m, c.block_size, c.dtype) for m in (mcfg, dcfg) if m)
+        choice = resolve_dtype(c.dtype, "cpu" if c.device == "cpu" else "cuda",
+                               ckpt.config.get("torch_dtype") or ckpt.config.get("dtype"),
+                               quantized=bool(ckpt.quant_modules or ckpt.quant_experts))
+        self.dtype = choice.dtype
+        log.info("engine dtype: %s (%s)", choice.dtype, choice.reason)
+        per_block = sum(kv_bytes_per_block(m, c.block_size, self.dtype) for m in (mcfg, dcfg) if m)
         num_blocks = c.num_kv_blocks or c.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no KV block "
@@ -81,8 +87,9 @@ class Engine:
         self.max_model_len = self._max_model_len(mcfg, dcfg, num_blocks)
 
         def runner(ck):
-            return ModelRunner(ck, num_blocks, c.block_size, c.dtype, c.device, c.quant_kernel,
-                               self.max_model_len + c.lookahead + 1, decode_q_len=1 + c.lookahead)
+            return ModelRunner(ck, num_blocks, c.block_size, self.dtype, c.device, c.quant_kernel,
+                               self.max_model_len + c.lookahead + 1, decode_q_len=1 + c.lookahead,
+                               fused_cpu=c.fused_cpu_kernels, lm_head=c.lm_head)
 
         self.runner = runner(ckpt)
         draft_runner = runner(dckpt) if dckpt else None
@@ -100,8 +107,9 @@ class Engine:
         self._live: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
-        log.info("engine: %d KV blocks of %d tokens, max_model_len=%d, quantized linears: %s", num_blocks,
-                 c.block_size, self.max_model_len, self.runner.kernel_paths or "none")
+        log.info("engine: %d KV blocks of %d tokens, max_model_len=%d, quantized linears: %s, lm_head: %s",
+                 num_blocks, c.block_size, self.max_model_len, self.runner.kernel_paths or "none",
+                 self.runner.lm_head_kind)
 
     def _max_model_len(self, mcfg: ModelConfig, dcfg: ModelConfig | None, num_blocks: int) -> int:
         c = self.config

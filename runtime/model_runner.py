@@ -12,10 +12,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from runtime.kernels import qmatmul
-from runtime.kernels.attention import AttentionMetadata, triton_paged_attention
+from runtime.kernels.attention import AttentionMetadata, fused_paged_attention, triton_paged_attention
+from runtime.kernels.fused import FUSED_CPU_OPS, select_ops
 from runtime.kernels.moe import prepare_experts
 from runtime.models.llama import ModelConfig
 from runtime.models.loader import Checkpoint, build_model
@@ -44,26 +45,46 @@ class ModelRunner:
     """One model (target or draft) with its own KV pool of ``num_blocks`` blocks."""
 
     def __init__(self, ckpt: Checkpoint, num_blocks: int, block_size: int, dtype: str, device: str,
-                 quant_kernel: str, max_positions: int, decode_q_len: int = 1):
+                 quant_kernel: str, max_positions: int, decode_q_len: int = 1, fused_cpu: bool = True,
+                 lm_head: str = "fp"):
         self.dtype, self.device = DTYPES[dtype], torch.device(device)
         self.block_size, self.num_blocks, self.decode_q_len = block_size, num_blocks, decode_q_len
         self.model = build_model(ckpt, self.dtype, max_positions)
         self.config = self.model.config
-        self.kernel_paths = qmatmul.prepare_model(self.model, quant_kernel, self.dtype, self.device.type)
+        self.ops = select_ops(self.device.type, self.dtype, fused_cpu)
+        fused = self.ops is FUSED_CPU_OPS
+        self.kernel_paths = qmatmul.prepare_model(self.model, quant_kernel, self.dtype, self.device.type, fused)
         self.kernel_paths.update(prepare_experts(self.model, quant_kernel, self.device.type))
+        self.lm_head_kind = self._prepare_head(lm_head, bool(ckpt.quant_modules or ckpt.quant_experts), fused)
         self.num_prepacked = 0
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             self.num_prepacked = qmatmul.pack_dense_linears(self.model)
-            if self.num_prepacked and self.model.lm_head is None:  # tied head: pack a copy of the embedding
-                self.model.lm_head = qmatmul.MkldnnLinear(self.model.embed_tokens.weight, None)
         self.model.to(self.device)
         cfg = self.config
         shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.model.set_ops(self.ops)
         for i, attn in enumerate(self.model.attention_modules()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             if self.device.type == "cuda":
                 attn.attn_fn = triton_paged_attention
+            elif fused:
+                attn.attn_fn = fused_paged_attention
+        log.info("small ops and decode attention: %s", self.ops.name)
+
+    def _prepare_head(self, choice: str, quantized: bool, fused: bool) -> str:
+        """Quantize or prepack an fp LM head on CPU (EngineConfig's ``lm_head``); returns what runs it."""
+        model, head = self.model, self.model.lm_head
+        if head is not None and type(head) is not nn.Linear:  # quantized by compress quantize: its own kernel
+            return "checkpoint"
+        if self.device.type != "cpu":
+            return "fp"
+        choice = qmatmul.resolve_lm_head(choice, quantized, self.dtype, self.device.type)
+        weight = model.embed_tokens.weight if head is None else head.weight
+        module = qmatmul.prepare_lm_head(weight, choice, self.dtype, fused)
+        if module is not None:
+            model.lm_head = module
+        return choice
 
     @property
     def vocab_size(self) -> int:

@@ -196,3 +196,20 @@ def triton_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_c
                                                  meta.decode_cu_seqlens_q, meta.decode_seq_lens, scale,
                                                  max_query_len=meta.max_decode_q_len, window=window))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def fused_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                          scale: float, window: int | None = None) -> Tensor:
+    """The same contract on CPU with plain-decoding queries (one per sequence) in the fused kernel
+    (runtime/kernels/cpu/fused_ops.cpp: one call per layer, reading keys through the block tables in place)."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    p, outs = meta.num_prefill_tokens, []
+    if p:
+        outs.append(prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta, scale, window))
+    if q.shape[0] > p:
+        if meta.max_decode_q_len == 1:
+            outs.append(torch.ops.compress_cpu.paged_decode_attention(
+                q[p:].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window or 0))
+        else:  # verifying drafts: a few queries per sequence
+            outs.append(decode_attention(q[p:], k_cache, v_cache, meta, scale, window))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

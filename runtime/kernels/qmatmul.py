@@ -45,7 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from compress import rtn
 from compress.qlinear import QuantLinear
+from compress.quant import Scheme
 
 log = logging.getLogger(__name__)
 
@@ -128,16 +130,18 @@ class Int8PackedLinear(nn.Module):
 
     path = "int8pack"
 
-    def __init__(self, ql: QuantLinear):
+    def __init__(self, ql: QuantLinear, fused: bool = False):
         super().__init__()
         s = ql.scheme
         assert s.bits == 8 and s.format == "int" and s.n_groups(ql.in_features) == 1
+        self.fused = fused  # runtime/kernels/cpu/fused_ops.cpp's int8_linear (fp32 accumulation) instead of aten's
         self.in_features, self.out_features = ql.in_features, ql.out_features
         self.k_pad = -ql.in_features % 64
         w8 = (ql.codes().to(torch.int16) - 128).to(torch.int8)  # exact: codes are 0..255
         self.register_buffer("weight", F.pad(w8, (0, self.k_pad)).contiguous())
         scale = ql.scales.float()[:, 0]
         self.register_buffer("scale", scale.to(KERNEL_DTYPE))
+        self.register_buffer("scale_f32", scale)
         corr = None if ql.qzeros is None else (128 - ql.qzeros.float()[:, 0]) * scale
         self.correction = None if corr is None or not corr.any() else corr  # per output channel, fp32
         self.bias = None if ql.bias is None else ql.bias.detach().float()
@@ -145,10 +149,13 @@ class Int8PackedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         lead, dtype = x.shape[:-1], x.dtype
         x2 = x.reshape(-1, self.in_features)
-        xk = x2.to(KERNEL_DTYPE)
-        if self.k_pad:
-            xk = F.pad(xk, (0, self.k_pad))
-        y = torch.ops.aten._weight_int8pack_mm(xk, self.weight, self.scale).to(dtype)
+        if self.fused:
+            y = torch.ops.compress_cpu.int8_linear(x2, self.weight, self.scale_f32)
+        else:
+            xk = x2.to(KERNEL_DTYPE)
+            if self.k_pad:
+                xk = F.pad(xk, (0, self.k_pad))
+            y = torch.ops.aten._weight_int8pack_mm(xk, self.weight, self.scale).to(dtype)
         if self.correction is not None:
             y = y + x2.float().sum(-1, keepdim=True).to(dtype) * self.correction.to(dtype)
         if self.bias is not None:
@@ -172,19 +179,21 @@ def packed_path(ql: QuantLinear) -> str:
     return "dense"
 
 
-# rows up to which the packed kernel beats a bf16 GEMM (crossover measured at about 8 for int4, 1 for int8)
-HYBRID_MAX_ROWS = {"int4pack": 6, "int8pack": 1}
+# rows up to which the packed kernel beats a bf16 GEMM (crossover measured at about 8 for int4, 1 for aten's
+# int8, 4 for the fused int8 kernel)
+HYBRID_MAX_ROWS = {"int4pack": 6, "int8pack": 1, "int8pack-fused": 4}
 
 
-def prepare_linear(ql: QuantLinear, mode: str, dtype: torch.dtype) -> nn.Module:
-    """The kernel module for one QuantLinear: ``mode`` "auto", "packed" (when the format allows) or "dequant"."""
+def prepare_linear(ql: QuantLinear, mode: str, dtype: torch.dtype, fused: bool = False) -> nn.Module:
+    """The kernel module for one QuantLinear: ``mode`` "auto", "packed" (when the format allows) or "dequant";
+    ``fused``: the fused CPU kernels are loaded (runtime/kernels/cpu_ext.py) and may run it."""
     path = packed_path(ql) if mode in ("auto", "packed") else "dense"
     if path == "dense":
         return DenseLinear(ql, dtype)
-    kernel = Int4PackedLinear(ql) if path == "int4pack" else Int8PackedLinear(ql)
+    kernel = Int4PackedLinear(ql) if path == "int4pack" else Int8PackedLinear(ql, fused)
     if mode == "auto" and mkldnn_bf16_available():
         dense = MkldnnLinear(ql.dequantized_weight(torch.float32), ql.bias)
-        return HybridLinear(kernel, dense, HYBRID_MAX_ROWS[path])
+        return HybridLinear(kernel, dense, HYBRID_MAX_ROWS[path + ("-fused" if fused and path == "int8pack" else "")])
     return kernel
 
 
@@ -260,7 +269,8 @@ class TritonLinear(nn.Module):
                               None if q.bias is None else q.bias)
 
 
-def prepare_model(model: nn.Module, mode: str, dtype: torch.dtype, device_type: str = "cpu") -> dict[str, int]:
+def prepare_model(model: nn.Module, mode: str, dtype: torch.dtype, device_type: str = "cpu",
+                  fused: bool = False) -> dict[str, int]:
     """Replace every QuantLinear in ``model`` by its kernel module; returns how many took each path."""
     counts: Counter[str] = Counter()
     for name, module in list(model.named_modules()):
@@ -268,10 +278,35 @@ def prepare_model(model: nn.Module, mode: str, dtype: torch.dtype, device_type: 
             if device_type == "cuda" and mode in ("auto", "packed"):
                 kernel = TritonLinear(module)
             else:
-                kernel = prepare_linear(module, mode, dtype)
+                kernel = prepare_linear(module, mode, dtype, fused)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, kernel)
             counts[kernel.path] += 1
     if counts:
         log.info("quantized linears: %s", dict(counts))
     return dict(counts)
+
+
+# The LM head rounded to nearest at load (the checkpoint keeps its fp weight): per-channel int8 is what
+# llama.cpp stores for SmolLM2's tied head (Q8_0); int4 g32 halves the bytes again at a measured accuracy cost.
+LM_HEAD_SCHEMES = {"int8": Scheme(bits=8, group_size=-1, sym=True), "int4": Scheme(bits=4, group_size=32, sym=False)}
+LM_HEAD_CHOICES = ("auto", "fp", *LM_HEAD_SCHEMES)
+
+
+def resolve_lm_head(choice: str, quantized_model: bool, dtype: torch.dtype, device_type: str) -> str:
+    """``"auto"``: int8 for a quantized model computed in bf16 on CPU (its packed kernels' setting), else fp."""
+    if choice not in LM_HEAD_CHOICES:
+        raise ValueError(f"lm_head={choice!r} is unknown; use one of {LM_HEAD_CHOICES}")
+    if choice != "auto":
+        return choice
+    return "int8" if quantized_model and dtype == torch.bfloat16 and device_type == "cpu" else "fp"
+
+
+def prepare_lm_head(weight: Tensor, choice: str, dtype: torch.dtype, fused: bool = False) -> nn.Module | None:
+    """The head module for an fp ``weight [vocab, hidden]``: quantized, prepacked bf16, or None (keep F.linear)."""
+    if choice in LM_HEAD_SCHEMES:
+        qw = rtn.quantize_weight(weight.detach().float(), LM_HEAD_SCHEMES[choice])
+        return prepare_linear(QuantLinear.from_quantized(qw), "auto", dtype, fused)
+    if dtype == torch.bfloat16 and mkldnn_bf16_available():
+        return MkldnnLinear(weight, None)
+    return None

@@ -4,18 +4,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-}
-
+from runtime.kernels.fused import ACTIVATIONS, TORCH_OPS, Ops
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * w`` in fp32; ``offset=1`` is Gemma's ``(1 + w)`` form (weights stored as ``w - 1``)."""
@@ -24,17 +15,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps, self.offset = eps, offset
+        self.ops: Ops = TORCH_OPS  # the runner may swap in the fused kernels (runtime/kernels/fused.py)
 
     def forward(self, x: Tensor) -> Tensor:
-        # one fused call: bit-identical to transformers' fp32 arithmetic; in bf16 it rounds once
-        # (transformers rounds before the weight product too, so this is slightly closer to exact)
-        if not self.offset:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight + self.offset, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (self.offset + self.weight.float())).to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps, self.offset)
+
+    def add_forward(self, residual: Tensor, delta: Tensor) -> Tensor:
+        """``residual += delta`` in place, then the norm of the sum (one pass in the fused kernels)."""
+        return self.ops.add_rms_norm_(residual, delta, self.weight, self.eps, self.offset)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
@@ -73,14 +61,6 @@ class Rotary(nn.Module):
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         return torch.cat((cos, cos), -1).to(dtype)[:, None], torch.cat((-sin, sin), -1).to(dtype)[:, None]
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x: [T, H, D]`` (halves as real/imaginary parts, transformers' rotate_half layout).
-
-    ``x * [c, c] + [x2, x1] * [-s, s]`` is bit-for-bit ``x * cos + rotate_half(x) * sin``.
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class ConcatLinear(nn.Module):

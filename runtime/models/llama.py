@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.kernels.attention import AttentionMetadata, paged_attention
-from runtime.models.layers import ACTIVATIONS, RMSNorm, Rotary, apply_rope
+from runtime.kernels.fused import TORCH_OPS, Ops
+from runtime.models.layers import ACTIVATIONS, RMSNorm, Rotary
 from runtime.models.moe import MoEArch, MoEConfig, SparseMoE
 
 
@@ -129,9 +130,10 @@ class Attention(nn.Module):
         self.k_cache: Tensor | None = None  # [num_blocks, block_size, Hkv, D], set by the runner
         self.v_cache: Tensor | None = None
         self.attn_fn: AttentionFn = paged_attention
+        self.ops: Ops = TORCH_OPS
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
-        t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        t, hq, hkv, rope = x.shape[0], self.num_heads, self.num_kv_heads, self.ops.rope
         qkv = self.qkv_proj(x)
         if self.norm_proj:  # OLMoE: normalize the whole q and k projections, then clip
             q, k, v = qkv.split([hq * self.head_dim, hkv * self.head_dim, hkv * self.head_dim], dim=-1)
@@ -141,11 +143,11 @@ class Attention(nn.Module):
         qkv = qkv.view(t, hq + 2 * hkv, self.head_dim)
         v = qkv[:, hq + hkv:]
         if self.q_norm is None or self.norm_proj:
-            qk = apply_rope(qkv[:, :hq + hkv], cos, sin)  # q and k heads rotated together
-            q, k = qk[:, :hq], qk[:, hq:]
+            qk = rope(qkv, cos, sin, hq + hkv)  # q and k heads rotated together
+            q, k = qk[:, :hq], qk[:, hq:hq + hkv]
         else:
-            q = apply_rope(self.q_norm(qkv[:, :hq]), cos, sin)
-            k = apply_rope(self.k_norm(qkv[:, hq:hq + hkv]), cos, sin)
+            q = rope(self.q_norm(qkv[:, :hq]), cos, sin, hq)[:, :hq]
+            k = rope(self.k_norm(qkv[:, hq:hq + hkv]), cos, sin, hkv)[:, :hkv]
         o = self.attn_fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(t, hq * self.head_dim))
 
@@ -155,11 +157,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj: nn.Module = nn.Identity()  # [T, hidden] -> [T, 2 * intermediate]
         self.down_proj: nn.Module = nn.Identity()
-        self.act = ACTIVATIONS[cfg.act]
+        self.act_name = cfg.act
+        self.ops: Ops = TORCH_OPS
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.ops.act_mul(self.gate_up_proj(x), self.act_name))
 
 
 class DecoderLayer(nn.Module):
@@ -172,13 +174,16 @@ class DecoderLayer(nn.Module):
         moe = cfg.moe
         if moe is not None and index in moe.sparse_layers:
             shared = MLP(cfg) if moe.shared_intermediate_size else None
-            self.mlp: nn.Module = SparseMoE(moe, cfg.hidden_size, ACTIVATIONS[cfg.act], shared)
+            self.mlp: nn.Module = SparseMoE(moe, cfg.hidden_size, ACTIVATIONS[cfg.act][0], shared)
         else:
             self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h: Tensor, residual: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
+                next_norm: RMSNorm) -> Tensor:
+        """``h``: this layer's normalized input; ``residual`` (the stream) gains attention and MLP in place.
+        Returns ``next_norm`` of the stream: the next layer's input (the final norm after the last layer)."""
+        h = self.post_attention_layernorm.add_forward(residual, self.self_attn(h, cos, sin, meta))
+        return next_norm.add_forward(residual, self.mlp(h))
 
 
 class DecoderLM(nn.Module):
@@ -193,6 +198,8 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_offset, dtype)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
         self.lm_head: nn.Module | None = None  # None: tied to embed_tokens
+        # each layer ends with the next one's input norm (fused with the residual add), the last with the final norm
+        self.next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.arch.embed_scale else None
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
@@ -200,15 +207,22 @@ class DecoderLM(nn.Module):
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta)
-        return self.norm(x)
+        h = self.layers[0].input_layernorm(x)
+        for layer, norm in zip(self.layers, self.next_norms):  # x: the residual stream, updated in place
+            h = layer(h, x, cos, sin, meta, norm)
+        return h
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """fp32 logits ``[N, vocab]`` for hidden rows ``[N, hidden]``."""
         if self.lm_head is None:
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+    def set_ops(self, ops: Ops) -> None:
+        """Run the small per-layer ops with ``ops`` (runtime/kernels/fused.py)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
 
     def attention_modules(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers]

@@ -217,10 +217,12 @@ def test_quantized_checkpoint_matches_transformers_with_the_same_quantlinears(tm
             set_module(hf, name, QuantLinear.from_quantized(quantize_weight(mod.weight.data, scheme), bias=mod.bias))
     save_quantized(hf, smol_tokenizer, tmp_path / "q", build_quantization_config(hf, "rtn", scheme))
     ps = prompts(hf.config.vocab_size, (6, 19), seed=7)
-    exact = Engine(EngineConfig(model=str(tmp_path / "q"), kv_cache_memory=1 << 22, quant_kernel="dequant"))
+    exact = Engine(EngineConfig(model=str(tmp_path / "q"), kv_cache_memory=1 << 22, quant_kernel="dequant",
+                          dtype="float32"))
     for p, o in zip(ps, exact.generate(ps, GREEDY)):
         assert o.token_ids == hf_greedy(hf, p, N_NEW)
-    packed = Engine(EngineConfig(model=str(tmp_path / "q"), kv_cache_memory=1 << 22, quant_kernel="packed"))
+    packed = Engine(EngineConfig(model=str(tmp_path / "q"), kv_cache_memory=1 << 22, quant_kernel="packed",
+                                 dtype="float32"))
     assert packed.runner.kernel_paths == {"int4pack": 2 * hf.config.num_hidden_layers + 2 * hf.config.num_hidden_layers}
     # packed kernels run bf16 activations: compare the first step's logits rather than whole sequences
     from runtime.model_runner import ForwardItem
@@ -250,7 +252,7 @@ def test_compress_quantized_moe_matches_the_torch_quantized_model(tiny_dirs, tmp
     assert all(isinstance(layer.mlp.experts, PackedMoEExperts) for layer in ref.model.layers)
     ps = prompts(ref.config.vocab_size, (6, 19), seed=9)
     refs = [hf_greedy(ref, p, N_NEW) for p in ps]
-    exact = Engine(EngineConfig(model=str(out), kv_cache_memory=1 << 22, quant_kernel="dequant"))
+    exact = Engine(EngineConfig(model=str(out), kv_cache_memory=1 << 22, quant_kernel="dequant", dtype="float32"))
     assert exact.runner.kernel_paths["experts-dequant"] == ref.config.num_hidden_layers
     assert [o.token_ids for o in exact.generate(ps, GREEDY)] == refs
     for moe in exact.runner.model.moe_modules():  # experts packed again: dequantized per call, same numbers

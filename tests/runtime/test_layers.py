@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from runtime.models.layers import RMSNorm, Rotary, apply_rope, rope_inv_freq
+from runtime.kernels.fused import TORCH_OPS
+from runtime.models.layers import RMSNorm, Rotary, rope_inv_freq
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma"])
@@ -30,8 +31,8 @@ def test_rope_is_bit_identical():
     freqs = pos[:, None].float() * rope_inv_freq(16, 10000.0, None)[None, :]
     emb = torch.cat((freqs, freqs), -1)
     rq, rk = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos()[None], emb.sin()[None])
-    assert torch.equal(apply_rope(q, cos, sin), rq[0].transpose(0, 1))
-    assert torch.equal(apply_rope(k, cos, sin), rk[0].transpose(0, 1))
+    assert torch.equal(TORCH_OPS.rope(q, cos, sin, 4), rq[0].transpose(0, 1))
+    assert torch.equal(TORCH_OPS.rope(k, cos, sin, 2), rk[0].transpose(0, 1))
 
 
 @pytest.mark.parametrize("scaling", [

@@ -54,7 +54,8 @@ def test_block_equals_transformers_eager(family, overrides):
         for i in range(hf.config.num_hidden_layers):
             ref = hf.model.layers[i].mlp(x[None])[0]
             assert isinstance(ours.layers[i].mlp, SparseMoE)
-            assert torch.equal(ours.layers[i].mlp(x), ref), f"layer {i}"
+            # fp32 rounding only: the expert matmuls may take other kernels than transformers' on some CPUs
+            torch.testing.assert_close(ours.layers[i].mlp(x), ref, rtol=1e-5, atol=1e-5, msg=f"layer {i}")
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

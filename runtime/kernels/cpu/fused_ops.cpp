@@ -1,0 +1,323 @@
+// Fused CPU kernels for the runtime's per-token path (runtime/kernels/cpu_ext.py builds and loads this).
+//
+// At batch 1 a decode step is ~30 layers x a dozen small ops; in eager torch each op costs microseconds of
+// dispatch and several composite kernels (F.rms_norm alone is five), which is most of a step on a small
+// model. Each op here is one call over the whole tensor. Numerics follow the torch reference path op for op:
+// fp32 arithmetic inside, and in bf16 the same roundings eager torch makes (the residual add, silu(gate)
+// before the product, the two products and the sum of rotary), so the two paths agree to accumulation order.
+// Compiled with -ffp-contract=off: no fused multiply-adds that the reference does not make.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+// the value eager torch would hold after storing an fp32 result in T
+template <typename T>
+inline float rounded(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// exp(x) for fp32 (Cephes' expf: Cody-Waite reduction, degree-5 polynomial, about 1 ulp on [-87, 88]) written
+// so that loops over it vectorize: libm's expf is a scalar call, and its vector form needs -ffast-math
+inline float vexp(float x) {
+  x = std::min(std::max(x, -87.33654f), 88.72283f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// out[r] = x[r] / rms(x[r]) * (offset + w); when delta is given, x[r] += delta[r] first, in place
+template <typename T>
+void rms_rows(T* x, const T* delta, const T* w, T* out, int64_t rows, int64_t dim, float eps, float offset) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * dim;
+      if (delta != nullptr) {
+        const T* dr = delta + r * dim;
+        for (int64_t i = 0; i < dim; ++i) xr[i] = static_cast<T>(f32(xr[i]) + f32(dr[i]));
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < dim; ++i) ss += f32(xr[i]) * f32(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      T* orow = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i) orow[i] = static_cast<T>(f32(xr[i]) * inv * (offset + f32(w[i])));
+    }
+  });
+}
+
+at::Tensor rms_norm_impl(at::Tensor x, const at::Tensor& delta, const at::Tensor& w, double eps, double offset,
+                         bool with_delta) {
+  check_cpu(x, "x");
+  check_cpu(w, "weight");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "weight dtype must match x");
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK(w.numel() == dim, "weight has ", w.numel(), " elements, rows have ", dim);
+  if (with_delta) {
+    check_cpu(delta, "delta");
+    TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(), "delta must match x");
+  }
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), with_delta ? delta.data_ptr<scalar_t>() : nullptr,
+                       w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.numel() / dim, dim,
+                       static_cast<float>(eps), static_cast<float>(offset));
+  });
+  return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
+  return rms_norm_impl(x, x, w, eps, offset, false);
+}
+
+// residual += delta (in place), then returns rms_norm(residual)
+at::Tensor add_rms_norm_(at::Tensor residual, const at::Tensor& delta, const at::Tensor& w, double eps,
+                         double offset) {
+  return rms_norm_impl(residual, delta, w, eps, offset, true);
+}
+
+template <typename T>
+void act_rows(const T* src, T* dst, int64_t rows, int64_t inter, int64_t act) {
+  const int64_t width = 2 * inter;
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(inter);
+    float* ap = a.data();
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = src + r * width;
+      const T* u = g + inter;
+      if (act == 0) {
+#pragma omp simd
+        for (int64_t c = 0; c < inter; ++c) {
+          const float x = f32(g[c]);
+          ap[c] = x / (1.f + vexp(-x));
+        }
+      } else if (act == 1) {
+#pragma omp simd
+        for (int64_t c = 0; c < inter; ++c) {
+          const float x = f32(g[c]);
+          const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+          ap[c] = 0.5f * x * (2.f - 2.f / (vexp(2.f * y) + 1.f));  // 1 + tanh(y)
+        }
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < inter; ++c) {
+          const float x = f32(g[c]);
+          ap[c] = 0.5f * x * (1.f + std::erf(x * 0.7071067811865476f));
+        }
+      }
+      T* o = dst + r * inter;
+#pragma omp simd
+      for (int64_t c = 0; c < inter; ++c) o[c] = static_cast<T>(rounded<T>(ap[c]) * f32(u[c]));
+    }
+  });
+}
+
+// gate_up [..., 2I] (gate half first) -> act(gate) * up [..., I]; rows in parallel, each row's activation in
+// SIMD lanes (vexp; the exact gelu's erf stays a scalar libm call)
+at::Tensor act_mul(const at::Tensor& gate_up, int64_t act) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(act >= 0 && act <= 2, "act must be 0 (silu), 1 (gelu tanh) or 2 (gelu)");
+  const int64_t width = gate_up.size(-1);
+  TORCH_CHECK(width % 2 == 0, "gate_up's last dimension must be even");
+  const int64_t inter = width / 2;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = inter;
+  auto out = at::empty(sizes, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "act_mul", [&] {
+    act_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.numel() / width, inter, act);
+  });
+  return out;
+}
+
+template <typename T>
+void int8_rows(const float* xp, const int8_t* wp, const float* sp, T* op, int64_t m, int64_t k, int64_t n,
+               int64_t kw) {
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int8_t* row = wp + j * kw;
+      for (int64_t i = 0; i < m; ++i) {
+        const float* xi = xp + i * k;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t c = 0; c < k; ++c) acc += xi[c] * static_cast<float>(row[c]);
+        op[i * n + j] = static_cast<T>(acc * sp[j]);
+      }
+    }
+  });
+}
+
+// y [M, N] = x [M, K] @ (w [N, Kw >= K] int8 * scale [N])^T, accumulated in fp32, y in x's dtype. Weight-only
+// int8 for a few rows (decode, the LM head): each weight row is read once for all M rows of x.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  check_cpu(x, "x");
+  check_cpu(w, "w");
+  check_cpu(scale, "scale");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kChar, "x [M, K] and int8 w [N, K]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0), "scale: fp32, one per row of w");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0), kw = w.size(1);
+  TORCH_CHECK(kw >= k, "w has ", kw, " columns, x ", k);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto out = at::empty({m, n}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_linear", [&] {
+    int8_rows<scalar_t>(xf.data_ptr<float>(), w.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                        out.data_ptr<scalar_t>(), m, k, n, kw);
+  });
+  return out;
+}
+
+// In place on the first `heads` heads of x [T, H, D] (rotate_half layout): x * cos + roll(x, D/2) * sin,
+// with cos = [c, c] and sin = [-s, s] as [T, 1, D] (runtime/models/layers.py's Rotary)
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, "x must be a CPU [T, H, D] tensor, "
+              "contiguous in D");
+  check_cpu(cos, "cos");
+  check_cpu(sin, "sin");
+  const int64_t t = x.size(0), d = x.size(2), half = d / 2;
+  TORCH_CHECK(heads <= x.size(1) && d % 2 == 0, "bad heads or odd head_dim");
+  TORCH_CHECK(cos.numel() == t * d && sin.numel() == t * d, "cos/sin must be [T, 1, D]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos/sin dtype must match x");
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rope_", [&] {
+    scalar_t* base = x.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, t * heads, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t tok = i / heads, h = i % heads;
+        scalar_t* row = base + tok * st + h * sh;
+        const scalar_t* c = cp + tok * d;
+        const scalar_t* s = sp + tok * d;
+        for (int64_t j = 0; j < half; ++j) {
+          const float x1 = f32(row[j]), x2 = f32(row[j + half]);
+          const float lo = rounded<scalar_t>(x1 * f32(c[j])) + rounded<scalar_t>(x2 * f32(s[j]));
+          const float hi = rounded<scalar_t>(x2 * f32(c[j + half])) + rounded<scalar_t>(x1 * f32(s[j + half]));
+          row[j] = static_cast<scalar_t>(lo);
+          row[j + half] = static_cast<scalar_t>(hi);
+        }
+      }
+    });
+  });
+}
+
+// One new query per sequence over its paged keys (plain decoding): q [B, Hq, D], caches
+// [num_blocks, block_size, Hkv, D], block_tables [B, W] int32, seq_lens [B] int32 (keys 0..len-1, the
+// query's own included). window > 0 keeps the last `window` keys. Softmax in fp32, two passes.
+template <typename T>
+void decode_attention_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
+                             T* out, int64_t b_count, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
+                             int64_t width, float scale, int64_t window) {
+  const int64_t group = hq / hkv;
+  at::parallel_for(0, b_count * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / hkv, h = bh % hkv;
+      const int64_t len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - start;
+      scores.assign(group * n, 0.f);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = f32(q[(b * hq + h * group + g) * d + i]);
+      const int32_t* table = tables + b * width;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = start + j;
+        const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+        const T* kp = kc + (slot * hkv + h) * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * d;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < d; ++i) dot += qg[i] * f32(kp[i]);
+          scores[g * n + j] = dot * scale;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * n;
+        const float m = *std::max_element(s, s + n);
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          s[j] = vexp(s[j] - m);
+          sum += s[j];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = start + j;
+        const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+        const T* vp = vc + (slot * hkv + h) * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * n + j];
+          float* a = acc.data() + g * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) a[i] += p * f32(vp[i]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i) out[(b * hq + h * group + g) * d + i] = static_cast<T>(acc[g * d + i]);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window) {
+  check_cpu(q, "q");
+  check_cpu(k_cache, "k_cache");
+  check_cpu(v_cache, "v_cache");
+  check_cpu(block_tables, "block_tables");
+  check_cpu(seq_lens, "seq_lens");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "head_dim or head counts do not match the cache");
+  TORCH_CHECK(block_tables.size(0) == b && seq_lens.numel() == b, "one table row and length per sequence");
+  auto out = at::empty_like(q);
+  if (b == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                      v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
+                                      seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), b, hq, hkv, d,
+                                      k_cache.size(1), block_tables.size(1), static_cast<float>(scale), window);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(compress_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor", &rms_norm);
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps, float offset) -> Tensor",
+        &add_rms_norm_);
+  m.def("act_mul(Tensor gate_up, int act) -> Tensor", &act_mul);
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor", &int8_linear);
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()", &rope_);
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale, int window) -> Tensor", &paged_decode_attention);
+}
