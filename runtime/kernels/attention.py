@@ -209,7 +209,7 @@ def fused_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_ca
     if q.shape[0] > p:
         if meta.max_decode_q_len == 1:
             outs.append(torch.ops.compress_cpu.paged_decode_attention(
-                q[p:].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window or 0))
+                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window or 0))
         else:  # verifying drafts: a few queries per sequence
             outs.append(decode_attention(q[p:], k_cache, v_cache, meta, scale, window))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -110,8 +110,12 @@ class Int4PackedLinear(nn.Module):
         sz = F.pad(sz, (0, 0, 0, 0, 0, n_pad))
         self.register_buffer("scale_zeros", sz.transpose(0, 1).contiguous().to(KERNEL_DTYPE))  # [G, N, 2]
         self.bias = None if ql.bias is None else ql.bias.detach().float()
+        # nothing to permute, pad or add: a 2-D bf16 input goes straight to the kernel (the decode step's case)
+        self.direct = perm is None and not self.k_pad and not n_pad and self.bias is None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.direct and x.dim() == 2 and x.dtype == KERNEL_DTYPE:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zeros)
         lead, dtype = x.shape[:-1], x.dtype
         x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
         if self.perm is not None:

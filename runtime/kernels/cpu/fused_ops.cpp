@@ -16,12 +16,39 @@
 
 namespace {
 
-template <typename T>
-inline float f32(T v) { return static_cast<float>(v); }
+// fp32 and bf16 only (the runtime's compute dtypes on CPU; select_ops sends anything else to torch)
+#define DISPATCH_F32_BF16(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+// Element access through plain integers: GCC vectorizes loads and stores of uint16_t, not of c10::BFloat16
+// (a class). bf16 -> fp32 is a shift; fp32 -> bf16 rounds to nearest even, as c10's conversion does.
+inline float ld(const float* p, int64_t i) { return p[i]; }
+inline float ld(const c10::BFloat16* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline uint16_t bf16_bits(float v) {
+  uint32_t b;
+  __builtin_memcpy(&b, &v, sizeof(b));
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+inline void st(float* p, int64_t i, float v) { p[i] = v; }
+inline void st(c10::BFloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t*>(p)[i] = bf16_bits(v); }
 
 // the value eager torch would hold after storing an fp32 result in T
 template <typename T>
-inline float rounded(float v) { return static_cast<float>(static_cast<T>(v)); }
+inline float rounded(float v);
+template <>
+inline float rounded<float>(float v) { return v; }
+template <>
+inline float rounded<c10::BFloat16>(float v) {
+  const uint32_t bits = static_cast<uint32_t>(bf16_bits(v)) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 // exp(x) for fp32 (Cephes' expf: Cody-Waite reduction, degree-5 polynomial, about 1 ulp on [-87, 88]) written
 // so that loops over it vectorize: libm's expf is a scalar call, and its vector form needs -ffast-math
@@ -56,14 +83,14 @@ void rms_rows(T* x, const T* delta, const T* w, T* out, int64_t rows, int64_t di
       T* xr = x + r * dim;
       if (delta != nullptr) {
         const T* dr = delta + r * dim;
-        for (int64_t i = 0; i < dim; ++i) xr[i] = static_cast<T>(f32(xr[i]) + f32(dr[i]));
+        for (int64_t i = 0; i < dim; ++i) st(xr, i, ld(xr, i) + ld(dr, i));
       }
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < dim; ++i) ss += f32(xr[i]) * f32(xr[i]);
+      for (int64_t i = 0; i < dim; ++i) ss += ld(xr, i) * ld(xr, i);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
       T* orow = out + r * dim;
-      for (int64_t i = 0; i < dim; ++i) orow[i] = static_cast<T>(f32(xr[i]) * inv * (offset + f32(w[i])));
+      for (int64_t i = 0; i < dim; ++i) st(orow, i, ld(xr, i) * inv * (offset + ld(w, i)));
     }
   });
 }
@@ -80,7 +107,7 @@ at::Tensor rms_norm_impl(at::Tensor x, const at::Tensor& delta, const at::Tensor
     TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(), "delta must match x");
   }
   auto out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+  DISPATCH_F32_BF16(x.scalar_type(), "rms_norm", [&] {
     rms_rows<scalar_t>(x.data_ptr<scalar_t>(), with_delta ? delta.data_ptr<scalar_t>() : nullptr,
                        w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.numel() / dim, dim,
                        static_cast<float>(eps), static_cast<float>(offset));
@@ -110,26 +137,26 @@ void act_rows(const T* src, T* dst, int64_t rows, int64_t inter, int64_t act) {
       if (act == 0) {
 #pragma omp simd
         for (int64_t c = 0; c < inter; ++c) {
-          const float x = f32(g[c]);
+          const float x = ld(g, c);
           ap[c] = x / (1.f + vexp(-x));
         }
       } else if (act == 1) {
 #pragma omp simd
         for (int64_t c = 0; c < inter; ++c) {
-          const float x = f32(g[c]);
+          const float x = ld(g, c);
           const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
           ap[c] = 0.5f * x * (2.f - 2.f / (vexp(2.f * y) + 1.f));  // 1 + tanh(y)
         }
       } else {
 #pragma omp simd
         for (int64_t c = 0; c < inter; ++c) {
-          const float x = f32(g[c]);
+          const float x = ld(g, c);
           ap[c] = 0.5f * x * (1.f + std::erf(x * 0.7071067811865476f));
         }
       }
       T* o = dst + r * inter;
 #pragma omp simd
-      for (int64_t c = 0; c < inter; ++c) o[c] = static_cast<T>(rounded<T>(ap[c]) * f32(u[c]));
+      for (int64_t c = 0; c < inter; ++c) st(o, c, rounded<T>(ap[c]) * ld(u, c));
     }
   });
 }
@@ -145,7 +172,7 @@ at::Tensor act_mul(const at::Tensor& gate_up, int64_t act) {
   auto sizes = gate_up.sizes().vec();
   sizes.back() = inter;
   auto out = at::empty(sizes, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "act_mul", [&] {
+  DISPATCH_F32_BF16(gate_up.scalar_type(), "act_mul", [&] {
     act_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.numel() / width, inter, act);
   });
   return out;
@@ -162,7 +189,7 @@ void int8_rows(const float* xp, const int8_t* wp, const float* sp, T* op, int64_
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t c = 0; c < k; ++c) acc += xi[c] * static_cast<float>(row[c]);
-        op[i * n + j] = static_cast<T>(acc * sp[j]);
+        st(op, i * n + j, acc * sp[j]);
       }
     }
   });
@@ -180,7 +207,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(kw >= k, "w has ", kw, " columns, x ", k);
   auto xf = x.to(at::kFloat).contiguous();
   auto out = at::empty({m, n}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_linear", [&] {
+  DISPATCH_F32_BF16(x.scalar_type(), "int8_linear", [&] {
     int8_rows<scalar_t>(xf.data_ptr<float>(), w.data_ptr<int8_t>(), scale.data_ptr<float>(),
                         out.data_ptr<scalar_t>(), m, k, n, kw);
   });
@@ -199,23 +226,23 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
   TORCH_CHECK(cos.numel() == t * d && sin.numel() == t * d, "cos/sin must be [T, 1, D]");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "cos/sin dtype must match x");
-  const int64_t st = x.stride(0), sh = x.stride(1);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rope_", [&] {
+  const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
+  DISPATCH_F32_BF16(x.scalar_type(), "rope_", [&] {
     scalar_t* base = x.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
     const scalar_t* sp = sin.data_ptr<scalar_t>();
     at::parallel_for(0, t * heads, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t tok = i / heads, h = i % heads;
-        scalar_t* row = base + tok * st + h * sh;
+        scalar_t* row = base + tok * row_stride + h * head_stride;
         const scalar_t* c = cp + tok * d;
         const scalar_t* s = sp + tok * d;
         for (int64_t j = 0; j < half; ++j) {
-          const float x1 = f32(row[j]), x2 = f32(row[j + half]);
-          const float lo = rounded<scalar_t>(x1 * f32(c[j])) + rounded<scalar_t>(x2 * f32(s[j]));
-          const float hi = rounded<scalar_t>(x2 * f32(c[j + half])) + rounded<scalar_t>(x1 * f32(s[j + half]));
-          row[j] = static_cast<scalar_t>(lo);
-          row[j + half] = static_cast<scalar_t>(hi);
+          const float x1 = ld(row, j), x2 = ld(row, j + half);
+          const float lo = rounded<scalar_t>(x1 * ld(c, j)) + rounded<scalar_t>(x2 * ld(s, j));
+          const float hi = rounded<scalar_t>(x2 * ld(c, j + half)) + rounded<scalar_t>(x1 * ld(s, j + half));
+          st(row, j, lo);
+          st(row, j + half, hi);
         }
       }
     });
@@ -226,9 +253,9 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
 // [num_blocks, block_size, Hkv, D], block_tables [B, W] int32, seq_lens [B] int32 (keys 0..len-1, the
 // query's own included). window > 0 keeps the last `window` keys. Softmax in fp32, two passes.
 template <typename T>
-void decode_attention_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
-                             T* out, int64_t b_count, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
-                             int64_t width, float scale, int64_t window) {
+void decode_attention_kernel(const T* q, int64_t q_row, int64_t q_head, const T* kc, const T* vc,
+                             const int32_t* tables, const int32_t* lens, T* out, int64_t b_count, int64_t hq,
+                             int64_t hkv, int64_t d, int64_t block_size, int64_t width, float scale, int64_t window) {
   const int64_t group = hq / hkv;
   at::parallel_for(0, b_count * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores;
@@ -239,7 +266,7 @@ void decode_attention_kernel(const T* q, const T* kc, const T* vc, const int32_t
       const int64_t n = len - start;
       scores.assign(group * n, 0.f);
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = f32(q[(b * hq + h * group + g) * d + i]);
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = ld(q, b * q_row + (h * group + g) * q_head + i);
       const int32_t* table = tables + b * width;
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = start + j;
@@ -249,7 +276,7 @@ void decode_attention_kernel(const T* q, const T* kc, const T* vc, const int32_t
           const float* qg = qf.data() + g * d;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < d; ++i) dot += qg[i] * f32(kp[i]);
+          for (int64_t i = 0; i < d; ++i) dot += qg[i] * ld(kp, i);
           scores[g * n + j] = dot * scale;
         }
       }
@@ -273,11 +300,11 @@ void decode_attention_kernel(const T* q, const T* kc, const T* vc, const int32_t
           const float p = scores[g * n + j];
           float* a = acc.data() + g * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) a[i] += p * f32(vp[i]);
+          for (int64_t i = 0; i < d; ++i) a[i] += p * ld(vp, i);
         }
       }
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i) out[(b * hq + h * group + g) * d + i] = static_cast<T>(acc[g * d + i]);
+        for (int64_t i = 0; i < d; ++i) st(out, (b * hq + h * group + g) * d + i, acc[g * d + i]);
     }
   });
 }
@@ -285,12 +312,13 @@ void decode_attention_kernel(const T* q, const T* kc, const T* vc, const int32_t
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                   int64_t window) {
-  check_cpu(q, "q");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "q must be a CPU [B, Hq, D] tensor, "
+              "contiguous in D");
   check_cpu(k_cache, "k_cache");
   check_cpu(v_cache, "v_cache");
   check_cpu(block_tables, "block_tables");
   check_cpu(seq_lens, "seq_lens");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [blocks, block, Hkv, D]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
@@ -298,10 +326,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "head_dim or head counts do not match the cache");
   TORCH_CHECK(block_tables.size(0) == b && seq_lens.numel() == b, "one table row and length per sequence");
-  auto out = at::empty_like(q);
+  auto out = at::empty({b, hq, d}, q.options());
   if (b == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+  DISPATCH_F32_BF16(q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
                                       v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
                                       seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), b, hq, hkv, d,
                                       k_cache.size(1), block_tables.size(1), static_cast<float>(scale), window);

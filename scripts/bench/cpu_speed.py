@@ -1,0 +1,336 @@
+"""CPU speed of our engine next to llama.cpp and transformers, in one run on one machine with one thread count:
+prompt processing (pp128), batch-1 decode (tg128), and N parallel sequences of 128 prompt + 128 output tokens.
+
+  .venv/bin/python scripts/bench/cpu_speed.py --model out/smollm2-135m-awq4 [--gguf F] [--llamacpp-bin DIR]
+      [--repeats 3] [--parallel 8,16,32] [--dtype auto] [--threads T] [--no-hf] [--no-llamacpp] [--json PATH]
+
+Each row is the median of --repeats runs; each repeat runs engine, llama.cpp, transformers in turn, so machine
+noise hits them alike. Every engine request gets its own random prompt: prefix caching must not skip work.
+llama.cpp figures come from llama-bench (pp/tg, one call with -r 1) and llama-batched-bench (all levels, one call).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SYSTEMS = ("engine", "llamacpp", "hf", "engine_fp")
+PROMPT, GEN, TINY_PROMPT = 128, 128, 8  # tg128 in llama-bench starts from an empty context: a tiny prompt here
+
+
+# --- pure helpers (unit-tested in tests/scripts/test_cpu_speed.py) ----------------------------------------------
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: a metric's median per system (None: not measured)."""
+
+    label: str
+    key: str
+    engine: float | None
+    llamacpp: float | None
+    hf: float | None
+    engine_fp: float | None = None  # the engine in fp32 on the fp model (batch-1 rows)
+
+    @property
+    def ratio(self) -> float | None:
+        """engine / llama.cpp (above 1: the engine is faster)."""
+        return None if self.engine is None or not self.llamacpp else self.engine / self.llamacpp
+
+
+def metric_keys(levels: list[int]) -> list[tuple[str, str]]:
+    """(key, label) of every row, in table order."""
+    keys = [(f"pp{PROMPT}", f"pp{PROMPT} tok/s"), (f"tg{GEN}", f"tg{GEN} tok/s")]
+    for n in levels:
+        keys += [(f"par{n}_out", f"parallel {n} out tok/s"), (f"par{n}_decode", f"parallel {n} decode tok/s")]
+    return keys
+
+
+def parse_levels(text: str) -> list[int]:
+    """'8,16,32' -> [8, 16, 32]."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--parallel {text!r} must list integers, e.g. 8,16,32") from None
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--parallel {text!r} must list levels >= 1, e.g. 8,16,32")
+    return levels
+
+
+def parse_llama_bench(text: str) -> dict[str, float]:
+    """llama-bench ``-o json`` -> {"pp128": tok/s, "tg128": tok/s} (avg_ts of each test)."""
+    out = {}
+    for t in json.loads(text):
+        p, g = t["n_prompt"], t["n_gen"]  # both set: a -pg test, neither pure pp nor pure tg
+        out[f"pp{p}" if not g else f"tg{g}" if not p else f"pp{p}+tg{g}"] = float(t["avg_ts"])
+    return out
+
+
+def parse_batched_bench(text: str) -> dict[str, float]:
+    """llama-batched-bench ``--output-format jsonl`` -> {"parN_out": N*tg/(t_pp+t_tg), "parN_decode": S_TG}.
+
+    Its own ``speed`` counts prompt tokens too; ``out`` counts only generated ones, as the engine's figure does.
+    """
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith("{"):  # warnings may share the stream
+            continue
+        r = json.loads(line)
+        n = int(r["pl"])
+        out[f"par{n}_out"] = n * r["tg"] / (r["t_pp"] + r["t_tg"])
+        out[f"par{n}_decode"] = float(r["speed_tg"])
+    return out
+
+
+def batched_ctx(levels: list[int], prompt: int = PROMPT, gen: int = GEN) -> int:
+    """-c for llama-batched-bench: max N sequences of prompt+gen each, padded to 256 per sequence.
+
+    It rounds any other -c up to a multiple of n_seq * 256 (warning 'rounding down'), e.g. 2304 -> 4096 for N=8.
+    """
+    return max(levels) * 256 * math.ceil((prompt + gen) / 256)
+
+
+def build_rows(runs: dict[str, dict[str, list[float]]], levels: list[int]) -> list[Row]:
+    """runs[system][key] holds one number per repeat; a row holds their medians."""
+    def med(system: str, key: str) -> float | None:
+        xs = runs.get(system, {}).get(key, [])
+        return statistics.median(xs) if xs else None
+    return [Row(label, key, med("engine", key), med("llamacpp", key), med("hf", key), med("engine_fp", key))
+            for key, label in metric_keys(levels)]
+
+
+def format_table(rows: list[Row]) -> str:
+    """A markdown table; '-' where a system has no figure."""
+    def cell(x: float | None, fmt: str = "{:.1f}") -> str:
+        return "-" if x is None else fmt.format(x)
+    lines = ["| metric | engine | llama.cpp | engine/llama.cpp | transformers fp32 | engine fp32 | engine fp32/transformers |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        fp_ratio = None if r.engine_fp is None or not r.hf else r.engine_fp / r.hf
+        cells = [r.label, cell(r.engine), cell(r.llamacpp), cell(r.ratio, "{:.2f}x"), cell(r.hf), cell(r.engine_fp),
+                 cell(fp_ratio, "{:.2f}x")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cpu_model_name(cpuinfo: str) -> str:
+    """The 'model name' line of /proc/cpuinfo's text."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+# --- our engine ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Timing:
+    start: float
+    first: list[float]  # per request: when its first token came back
+    end: float
+
+
+def random_prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
+    return [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(n)]
+
+
+def drive(engine, sampling_cls, prompts: list[list[int]], max_tokens: int) -> Timing:
+    """Submit every prompt at once, step until all are done; greedy, EOS ignored, so lengths are exact."""
+    params = sampling_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    first: dict[str, float] = {}
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            if o.new_token_ids:
+                first.setdefault(o.request_id, now)
+    assert len(first) == len(ids), (len(first), len(ids))
+    return Timing(start, [first[i] for i in ids], time.perf_counter())
+
+
+def engine_repeat(engine, sampling_cls, rng: random.Random, levels: list[int]) -> dict[str, float]:
+    """One repeat of every engine row (batch-1 rows only when ``levels`` is empty), each on fresh random prompts."""
+    t = drive(engine, sampling_cls, random_prompts(rng, 1, PROMPT), 1)
+    out = {f"pp{PROMPT}": PROMPT / (t.first[0] - t.start)}
+    t = drive(engine, sampling_cls, random_prompts(rng, 1, TINY_PROMPT), GEN)
+    out[f"tg{GEN}"] = (GEN - 1) / (t.end - t.first[0])
+    for n in levels:
+        t = drive(engine, sampling_cls, random_prompts(rng, n, PROMPT), GEN)
+        out[f"par{n}_out"] = n * GEN / (t.end - t.start)
+        out[f"par{n}_decode"] = n * (GEN - 1) / (t.end - max(t.first))  # after the last prompt is in
+    return out
+
+
+# --- llama.cpp -----------------------------------------------------------------------------------------------
+def llamacpp_repeat(bin_dir: Path, gguf: Path, threads: int, levels: list[int]) -> dict[str, float]:
+    def run(tool: str, *args: str) -> str:
+        cmd = [str(bin_dir / tool), "-m", str(gguf), "-t", str(threads), *args]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"{shlex.join(cmd)} failed ({res.returncode}):\n{res.stderr[-2000:]}")
+        return res.stdout
+    out = parse_llama_bench(run("llama-bench", "-p", str(PROMPT), "-n", str(GEN), "-r", "1", "-o", "json"))
+    lv = ",".join(map(str, levels))
+    out |= parse_batched_bench(run("llama-batched-bench", "-c", str(batched_ctx(levels)), "-b", "2048", "-ub", "512",
+                                   "-npp", str(PROMPT), "-ntg", str(GEN), "-npl", lv, "--output-format", "jsonl"))
+    return out
+
+
+# --- transformers --------------------------------------------------------------------------------------------
+class _Clock(list):
+    """A generate() streamer that only timestamps: put() gets the prompt, then one call per new token."""
+
+    def put(self, value) -> None:
+        self.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_repeat(model, rng: random.Random) -> dict[str, float]:
+    import torch
+
+    with torch.inference_mode():
+        ids = torch.tensor(random_prompts(rng, 1, PROMPT))
+        t0 = time.perf_counter()
+        model(input_ids=ids)
+        pp = PROMPT / (time.perf_counter() - t0)
+        clock = _Clock()
+        ids = torch.tensor(random_prompts(rng, 1, TINY_PROMPT))
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=GEN, min_new_tokens=GEN,
+                       do_sample=False, streamer=clock, pad_token_id=0)
+    steps = clock[1:]  # [0] is the prompt being handed over
+    assert len(steps) == GEN, (len(steps), GEN)
+    return {f"pp{PROMPT}": pp, f"tg{GEN}": (GEN - 1) / (steps[-1] - steps[0])}
+
+
+# --- the run -------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="engine checkpoint folder (or any spec the engine takes)")
+    ap.add_argument("--gguf", help="llama.cpp model; default: the embedded SmolLM2 Q4_1 GGUF")
+    ap.add_argument("--llamacpp-bin", help="folder with llama-bench etc.; default: built by scripts/bench/llamacpp.sh")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers fp32 rows")
+    ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parallel", default="8,16,32", help="concurrent sequences per level, e.g. 8,16,32")
+    ap.add_argument("--dtype", default="auto", help="engine dtype (auto, float32, bfloat16, ...)")
+    ap.add_argument("--lm-head", default="auto", help="engine LM head on CPU: auto, fp, int8, int4")
+    ap.add_argument("--fp-model", default="smollm2-135m",
+                    help="fp model for the 'engine fp32' batch-1 column (against transformers); '' to skip")
+    ap.add_argument("--threads", type=int, help="torch and llama.cpp threads; default: torch.get_num_threads()")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write config, machine, raw per-repeat numbers and rows here")
+    return ap.parse_args(argv)
+
+
+def llamacpp_paths(a: argparse.Namespace) -> tuple[Path, Path]:
+    """(GGUF, folder of llama.cpp tools) from the options, defaulting to the embedded SmolLM2 and llamacpp.sh."""
+    if a.gguf:
+        gguf = Path(a.gguf)
+    else:
+        from compress.models import resolve
+
+        src = resolve("smollm2-135m")
+        gguf = src.path / src.gguf_file
+    if not gguf.is_file():
+        raise SystemExit(f"--gguf {gguf} is not a file")
+    if a.llamacpp_bin:
+        return gguf, Path(a.llamacpp_bin)
+    build = subprocess.run(["bash", str(Path(__file__).resolve().parent / "llamacpp.sh")], check=True,
+                           capture_output=True, text=True)  # builds once, then only prints the cached folder
+    return gguf, Path(build.stdout.strip().splitlines()[-1])
+
+
+def build_engine(model: str, dtype: str, max_seqs: int, lm_head: str = "auto"):
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    try:
+        cfg = EngineConfig(model=model, dtype=dtype, max_num_seqs=max_seqs, kv_cache_memory=1 << 30, lm_head=lm_head)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return Engine(cfg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    try:
+        levels = parse_levels(a.parallel)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if a.repeats < 1:
+        raise SystemExit(f"--repeats {a.repeats} must be >= 1")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file from anywhere
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    import torch
+
+    from runtime.sequence import SamplingParams
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    threads = torch.get_num_threads()
+    gguf, bin_dir = (None, None) if a.no_llamacpp else llamacpp_paths(a)
+    rng = random.Random(a.seed)
+
+    log.info("building the engine on %s (dtype=%s, max_num_seqs=%d)", a.model, a.dtype, max(levels))
+    engine = build_engine(a.model, a.dtype, max(levels), a.lm_head)
+    dtype_used, head_used = engine.dtype, engine.runner.lm_head_kind
+    drive(engine, SamplingParams, random_prompts(rng, 1, PROMPT), 4)  # first-call costs out: a long prefill,
+    drive(engine, SamplingParams, random_prompts(rng, min(levels), 16), 4)  # a batched decode
+    hf = None
+    if not a.no_hf:
+        from compress.models import load_model
+
+        hf = load_model("smollm2-135m")[0].float().eval()
+        hf_repeat(hf, rng)  # warm-up
+
+    todo = {"engine": lambda: engine_repeat(engine, SamplingParams, rng, levels)}
+    if a.fp_model:
+        fp_engine = build_engine(a.fp_model, "float32", 1, "fp")
+        drive(fp_engine, SamplingParams, random_prompts(rng, 1, PROMPT), 4)
+        todo["engine_fp"] = lambda: engine_repeat(fp_engine, SamplingParams, rng, [])
+    if bin_dir is not None:
+        todo["llamacpp"] = lambda: llamacpp_repeat(bin_dir, gguf, threads, levels)
+    if hf is not None:
+        todo["hf"] = lambda: hf_repeat(hf, rng)
+    runs: dict[str, dict[str, list[float]]] = {s: {} for s in SYSTEMS}
+    load_before = os.getloadavg()[0]  # other work on the machine skews every figure: say how busy it was
+    for i in range(a.repeats):  # interleaved: noise hits every system alike
+        for system, fn in todo.items():
+            log.info("repeat %d/%d: %s", i + 1, a.repeats, system)
+            for key, v in fn().items():
+                runs[system].setdefault(key, []).append(v)
+
+    rows = build_rows(runs, levels)
+    meta = {"cpu": cpu_model_name(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").is_file() else "?",
+            "threads": threads, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "engine_dtype": dtype_used,
+            "engine_lm_head": head_used, "engine_cpu_ops": engine.runner.ops.name,
+            "requested_dtype": a.dtype, "command": shlex.join([sys.executable, *sys.argv]), "model": a.model,
+            "gguf": gguf and str(gguf), "llamacpp_bin": bin_dir and str(bin_dir), "repeats": a.repeats,
+            "parallel": levels, "torch": torch.__version__, "loadavg_1min": [load_before, os.getloadavg()[0]]}
+    print(f"CPU: {meta['cpu']} | threads: {threads} | date: {meta['date']} | engine dtype: {dtype_used} "
+          f"(requested {a.dtype}), lm_head {head_used}, ops {meta['engine_cpu_ops']} | medians of {a.repeats} "
+          f"repeat(s) | load avg {load_before:.1f} -> "
+          f"{meta['loadavg_1min'][1]:.1f}")
+    print(f"command: {meta['command']}")
+    print(format_table(rows))
+    if a.json:
+        rows_out = [asdict(r) | {"ratio": r.ratio} for r in rows]
+        Path(a.json).write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows_out}, indent=2))
+        log.info("wrote %s", a.json)
+
+
+if __name__ == "__main__":
+    main()
