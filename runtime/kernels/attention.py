@@ -202,7 +202,7 @@ def fused_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_ca
                           scale: float, window: int | None = None) -> Tensor:
     """The same contract on CPU with plain-decoding queries (one per sequence) in the fused kernel
     (runtime/kernels/cpu/fused_ops.cpp: one call per layer, reading keys through the block tables in place)."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    torch.ops.compress_cpu.write_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
     p, outs = meta.num_prefill_tokens, []
     if p:
         outs.append(prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta, scale, window))

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -259,6 +260,7 @@ void decode_attention_kernel(const T* q, int64_t q_row, int64_t q_head, const T*
   const int64_t group = hq / hkv;
   at::parallel_for(0, b_count * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores;
+    std::vector<int64_t> rows;  // element offset of each key's head-h row in the cache
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / hkv, h = bh % hkv;
       const int64_t len = lens[b];
@@ -268,10 +270,14 @@ void decode_attention_kernel(const T* q, int64_t q_row, int64_t q_head, const T*
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = ld(q, b * q_row + (h * group + g) * q_head + i);
       const int32_t* table = tables + b * width;
+      rows.resize(n);  // walk the block table once: no integer division per key
+      for (int64_t blk = start / block_size, j = 0; j < n; ++blk) {
+        const int64_t base = static_cast<int64_t>(table[blk]) * block_size;
+        for (int64_t t = (j == 0 ? start % block_size : 0); t < block_size && j < n; ++t, ++j)
+          rows[j] = ((base + t) * hkv + h) * d;
+      }
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = start + j;
-        const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-        const T* kp = kc + (slot * hkv + h) * d;
+        const T* kp = kc + rows[j];
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * d;
           float dot = 0.f;
@@ -284,18 +290,15 @@ void decode_attention_kernel(const T* q, int64_t q_row, int64_t q_head, const T*
         float* s = scores.data() + g * n;
         const float m = *std::max_element(s, s + n);
         float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = vexp(s[j] - m);
-          sum += s[j];
-        }
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) s[j] = vexp(s[j] - m);
+        for (int64_t j = 0; j < n; ++j) sum += s[j];
         const float inv = 1.f / sum;
         for (int64_t j = 0; j < n; ++j) s[j] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = start + j;
-        const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-        const T* vp = vc + (slot * hkv + h) * d;
+        const T* vp = vc + rows[j];
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * n + j];
           float* a = acc.data() + g * d;
@@ -337,6 +340,34 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// k_cache/v_cache [blocks, block, Hkv, D] rows at `slots` [T] (int64) <- k, v [T, Hkv, D] (each token's Hkv x D
+// contiguous, as slices of the fused qkv projection are): one call for both stores
+void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& slots) {
+  check_cpu(k_cache, "k_cache");
+  check_cpu(v_cache, "v_cache");
+  check_cpu(slots, "slots");
+  const int64_t t = k.size(0), hkv = k_cache.size(2), d = k_cache.size(3);
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->device().is_cpu() && x->dim() == 3 && x->size(1) == hkv && x->size(2) == d && x->stride(2) == 1 &&
+                x->stride(1) == d && x->size(0) == t && x->scalar_type() == k_cache.scalar_type(),
+                "k and v must be [T, Hkv, D] with each token's heads contiguous, in the cache's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == t, "slots: int64, one per token");
+  const int64_t row = hkv * d, capacity = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t bytes = row * k_cache.element_size();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < capacity, "slot ", sp[i], " is outside the cache");
+    std::memcpy(kc + sp[i] * bytes, kp + i * ks, bytes);
+    std::memcpy(vc + sp[i] * bytes, vp + i * vs, bytes);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(compress_cpu, m) {
@@ -346,6 +377,7 @@ TORCH_LIBRARY(compress_cpu, m) {
   m.def("act_mul(Tensor gate_up, int act) -> Tensor", &act_mul);
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor", &int8_linear);
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()", &rope_);
+  m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()", &write_kv_);
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale, int window) -> Tensor", &paged_decode_attention);
 }
