@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANT_KERNELS = ("auto", "packed", "dequant")
-LM_HEADS = ("auto", "fp", "int8", "int4")
+LM_HEADS = ("auto", "fp", "int8", "int4")  # runtime/kernels/qmatmul.py LM_HEAD_SCHEMES has the last two
 
 
 @dataclass(frozen=True)

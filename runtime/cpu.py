@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.config import DTYPES
+
 log = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)

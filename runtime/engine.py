@@ -74,9 +74,7 @@ class Engine:
         if dcfg and dcfg.vocab_size != mcfg.vocab_size:
             raise ValueError(f"draft {c.draft!r} has vocab_size={dcfg.vocab_size}, the model {mcfg.vocab_size}; "
                              "the draft must share the model's tokenizer")
-        choice = resolve_dtype(c.dtype, "cpu" if c.device == "cpu" else "cuda",
-                               ckpt.config.get("torch_dtype") or ckpt.config.get("dtype"),
-                               quantized=bool(ckpt.quant_modules or ckpt.quant_experts))
+        choice = resolve_dtype(c.dtype, "cpu" if c.device == "cpu" else "cuda", ckpt.stored_dtype, ckpt.quantized)
         self.dtype = choice.dtype
         log.info("engine dtype: %s (%s)", choice.dtype, choice.reason)
         per_block = sum(kv_bytes_per_block(m, c.block_size, self.dtype) for m in (mcfg, dcfg) if m)

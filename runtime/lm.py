@@ -28,9 +28,7 @@ class EngineLM:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown; use one of {MODES}")
         ckpt = open_checkpoint(spec)
-        quantized = bool(ckpt.quant_modules or ckpt.quant_experts)
-        self.dtype = resolve_dtype(dtype, "cpu", ckpt.config.get("torch_dtype") or ckpt.config.get("dtype"),
-                                   quantized).dtype
+        self.dtype = resolve_dtype(dtype, "cpu", ckpt.stored_dtype, ckpt.quantized).dtype
         self.tokenizer, self.mode, self.max_len = ckpt.tokenizer, mode, max_len
         self.batch_size, self.per_seq = batch_size, -(-max_len // block_size)
         self.runner = ModelRunner(ckpt, self.per_seq * batch_size, block_size, self.dtype, "cpu", "auto", max_len + 1,

@@ -55,7 +55,7 @@ class ModelRunner:
         fused = self.ops is FUSED_CPU_OPS
         self.kernel_paths = qmatmul.prepare_model(self.model, quant_kernel, self.dtype, self.device.type, fused)
         self.kernel_paths.update(prepare_experts(self.model, quant_kernel, self.device.type))
-        self.lm_head_kind = self._prepare_head(lm_head, bool(ckpt.quant_modules or ckpt.quant_experts), fused)
+        self.lm_head_kind = self._prepare_head(lm_head, ckpt.quantized, fused)
         self.num_prepacked = 0
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             self.num_prepacked = qmatmul.pack_dense_linears(self.model)

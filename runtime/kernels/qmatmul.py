@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from compress import rtn
 from compress.qlinear import QuantLinear
 from compress.quant import Scheme
+from runtime.config import LM_HEADS
 
 log = logging.getLogger(__name__)
 
@@ -294,13 +295,12 @@ def prepare_model(model: nn.Module, mode: str, dtype: torch.dtype, device_type: 
 # The LM head rounded to nearest at load (the checkpoint keeps its fp weight): per-channel int8 is what
 # llama.cpp stores for SmolLM2's tied head (Q8_0); int4 g32 halves the bytes again at a measured accuracy cost.
 LM_HEAD_SCHEMES = {"int8": Scheme(bits=8, group_size=-1, sym=True), "int4": Scheme(bits=4, group_size=32, sym=False)}
-LM_HEAD_CHOICES = ("auto", "fp", *LM_HEAD_SCHEMES)
 
 
 def resolve_lm_head(choice: str, quantized_model: bool, dtype: torch.dtype, device_type: str) -> str:
     """``"auto"``: int8 for a quantized model computed in bf16 on CPU (its packed kernels' setting), else fp."""
-    if choice not in LM_HEAD_CHOICES:
-        raise ValueError(f"lm_head={choice!r} is unknown; use one of {LM_HEAD_CHOICES}")
+    if choice not in LM_HEADS:
+        raise ValueError(f"lm_head={choice!r} is unknown; use one of {LM_HEADS}")
     if choice != "auto":
         return choice
     return "int8" if quantized_model and dtype == torch.bfloat16 and device_type == "cpu" else "fp"

@@ -45,6 +45,16 @@ class Checkpoint:
     tokenizer: object | None = None
     eos_token_ids: tuple[int, ...] = ()
 
+    @property
+    def quantized(self) -> bool:
+        """Whether any linear or expert stack is stored as packed integers."""
+        return bool(self.quant_modules or self.quant_experts)
+
+    @property
+    def stored_dtype(self) -> str | None:
+        """The dtype the checkpoint's config names (``torch_dtype``, or transformers 5's ``dtype``)."""
+        return self.config.get("torch_dtype") or self.config.get("dtype")
+
 
 def _eos_ids(*sources) -> tuple[int, ...]:
     ids: list[int] = []
