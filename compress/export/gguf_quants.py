@@ -1,0 +1,98 @@
+"""GGUF's 32-wide block types as pure tensor functions: pack our integers as they are, or round floats anew.
+
+Block layouts (ggml's ``block_q4_0`` / ``block_q4_1`` / ``block_q8_0``; every block covers 32 consecutive
+inputs of one row, so a row of ``n`` inputs is ``n / 32`` blocks laid end to end):
+- ``Q4_0`` 18 bytes: ``d`` fp16, then 16 bytes of nibbles: byte ``j`` holds code ``j`` in its low nibble
+  and code ``j + 16`` in its high nibble. ``w = d * (q - 8)``.
+- ``Q4_1`` 20 bytes: ``d`` fp16, ``m`` fp16, then the same 16 nibble bytes. ``w = d * q + m``.
+- ``Q8_0`` 34 bytes: ``d`` fp16, then 32 signed bytes ``q``. ``w = d * q``.
+
+Our codes map onto these without rounding: a symmetric 4-bit code already is ``q`` with zero 8
+(``Scheme.sym_zero``), so ``Q4_0`` stores it with ``d = scale``; an asymmetric 4-bit code keeps ``q`` and
+folds its zero into ``m = -scale * zero`` (the only rounding: ``m`` to fp16); a symmetric 8-bit code is
+``q - 128`` as a signed byte. The ``requantize_*`` functions are llama.cpp's own data-free rounding of
+float weights (``quantize_row_q4_0_ref`` and friends), for layers whose integers do not map.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BLOCK = 32
+BYTES_PER_BLOCK = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+
+
+def _blocks(x: Tensor) -> Tensor:
+    """[..., n] -> [..., n / 32, 32]."""
+    assert x.shape[-1] % BLOCK == 0, f"row length {x.shape[-1]} is not a multiple of {BLOCK}"
+    return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+
+
+def _fp16_bytes(x: Tensor) -> Tensor:
+    """fp16 values [..., nb] -> their little-endian bytes [..., nb, 2]."""
+    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
+
+
+def _nibbles(codes: Tensor) -> Tensor:
+    """4-bit codes [..., nb, 32] -> [..., nb, 16] bytes: code j low, code j + 16 high."""
+    c = codes.to(torch.uint8)
+    return c[..., :16] | (c[..., 16:] << 4)
+
+
+def _rows(parts: list[Tensor]) -> Tensor:
+    """Concatenate per-block byte fields [..., nb, k_i] and flatten each row's blocks into bytes."""
+    b = torch.cat(parts, dim=-1)
+    return b.reshape(*b.shape[:-2], -1).contiguous()
+
+
+def pack_q4_0(codes: Tensor, d: Tensor) -> Tensor:
+    """codes uint8 [..., n] in [0, 15], ``d`` fp16 [..., n / 32] -> Q4_0 bytes [..., n / 32 * 18]."""
+    return _rows([_fp16_bytes(d), _nibbles(_blocks(codes))])
+
+
+def pack_q4_1(codes: Tensor, d: Tensor, m: Tensor) -> Tensor:
+    """codes uint8 [..., n] in [0, 15], ``d``, ``m`` [..., n / 32] -> Q4_1 bytes [..., n / 32 * 20]."""
+    return _rows([_fp16_bytes(d), _fp16_bytes(m), _nibbles(_blocks(codes))])
+
+
+def pack_q8_0(q: Tensor, d: Tensor) -> Tensor:
+    """signed codes [..., n] in [-128, 127], ``d`` [..., n / 32] -> Q8_0 bytes [..., n / 32 * 34]."""
+    assert int(q.min()) >= -128 and int(q.max()) <= 127
+    signed = _blocks(q.to(torch.int8)).contiguous().view(torch.uint8)
+    return _rows([_fp16_bytes(d), signed])
+
+
+def _inverse(d: Tensor) -> Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
+
+
+def requantize_q4_0(w: Tensor) -> Tensor:
+    """llama.cpp's Q4_0 of float weights [..., n]: ``d = max / -8`` with ``max`` the signed value of
+    largest magnitude, ``q = min(15, trunc(x / d + 8.5))``."""
+    x = _blocks(w.float())
+    imax = x.abs().argmax(dim=-1, keepdim=True)
+    d = torch.gather(x, -1, imax) / -8  # [..., nb, 1]
+    q = torch.trunc(x * _inverse(d) + 8.5).clamp(0, 15)
+    return _rows([_fp16_bytes(d[..., 0]), _nibbles(q)])
+
+
+def requantize_q4_1(w: Tensor) -> Tensor:
+    """llama.cpp's Q4_1: ``m = min``, ``d = (max - min) / 15``, ``q = min(15, trunc((x - min) / d + 0.5))``."""
+    x = _blocks(w.float())
+    lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+    d = (hi - lo) / 15
+    q = torch.trunc((x - lo) * _inverse(d) + 0.5).clamp(0, 15)
+    return _rows([_fp16_bytes(d[..., 0]), _fp16_bytes(lo[..., 0]), _nibbles(q)])
+
+
+def requantize_q8_0(w: Tensor) -> Tensor:
+    """llama.cpp's Q8_0: ``d = absmax / 127``, ``q = round(x / d)`` (half away from zero)."""
+    x = _blocks(w.float())
+    d = x.abs().amax(dim=-1, keepdim=True) / 127
+    y = x * _inverse(d)
+    q = (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp(-128, 127)
+    signed = q.to(torch.int8).contiguous().view(torch.uint8)
+    return _rows([_fp16_bytes(d[..., 0]), signed])
+
+
+REQUANTIZE = {"q4_0": requantize_q4_0, "q4_1": requantize_q4_1, "q8_0": requantize_q8_0}

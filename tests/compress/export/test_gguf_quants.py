@@ -1,0 +1,93 @@
+"""GGUF block packers against the gguf package's own dequantizer (and its quantizer, for requantize)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compress.export import gguf_quants as gq
+from compress.quant import Scheme, compute_qparams, dequantize, quantize
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+
+
+def _weights(rows: int, n: int, kind: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, n, generator=g)
+    if kind == "zero-groups":
+        w[:, :32] = 0
+        w[1, :] = 0
+    elif kind == "extreme":  # scales from 1e-4 to 1e3 within one tensor, outliers, one-signed groups
+        w = w * torch.logspace(-4, 3, rows)[:, None]
+        w[0, 5] = 5e4
+        w[1] = w[1].abs()
+        w[-1] = -w[-1].abs()
+    return w
+
+
+def _reference(data: torch.Tensor, qtype, n: int) -> np.ndarray:
+    return gguf.quants.dequantize(data.numpy(), qtype).reshape(data.shape[0], n)
+
+
+KINDS = ["normal", "zero-groups", "extreme"]
+SHAPES = [(5, 32), (3, 96), (7, 160)]  # odd row counts, widths of 1, 3 and 5 blocks
+
+
+def _ours(rows: int, n: int, kind: str, scheme: Scheme):
+    """Our codes, scales, zeros and dequantized weights for a random tensor."""
+    w = _weights(rows, n, kind)
+    scale, zero = compute_qparams(w, scheme)
+    codes = quantize(w, scale, zero, scheme)
+    return codes, scale, zero, dequantize(codes, scale, zero, scheme)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows,n", SHAPES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_q4_0_and_q8_0_are_bit_identical_to_our_symmetric_codes(bits, kind, rows, n):
+    codes, scale, _, ours = _ours(rows, n, kind, Scheme(bits, 32, sym=True))
+    if bits == 4:
+        data, qtype, width = gq.pack_q4_0(codes, scale), T.Q4_0, 18
+    else:
+        data, qtype, width = gq.pack_q8_0(codes.to(torch.int16) - 128, scale), T.Q8_0, 34
+    assert data.dtype == torch.uint8 and data.shape == (rows, n // 32 * width)
+    np.testing.assert_array_equal(_reference(data, qtype, n), ours.numpy())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows,n", SHAPES)
+def test_q4_1_matches_our_asymmetric_4bit_within_fp16_rounding_of_the_minimum(kind, rows, n):
+    codes, scale, zero, ours = _ours(rows, n, kind, Scheme(4, 32, sym=False))
+    m = -scale.float() * zero.float()
+    data = gq.pack_q4_1(codes, scale, m)
+    assert data.shape == (rows, n // 32 * 20)
+    ref = torch.from_numpy(_reference(data, T.Q4_1, n))
+    # the only rounding is m = -scale * zero to fp16: at most half an fp16 ulp of |m|, per group
+    m_err = (m - m.half().float()).abs().repeat_interleave(32, dim=1)
+    assert ((ref - ours).abs() <= m_err + 1e-6 * ours.abs()).all()
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_requantize_follows_llama_cpp_rounding(qtype, kind):
+    w = _weights(6, 128, kind).float()
+    ours = gq.REQUANTIZE[qtype](w)
+    ref = gguf.quants.quantize(w.numpy(), getattr(T, qtype.upper()))
+    assert ours.shape == ref.shape
+    np.testing.assert_array_equal(ours.numpy(), ref)
+
+
+def test_packers_handle_stacked_expert_tensors():
+    s = Scheme(4, 32, sym=True)
+    w = _weights(4 * 6, 64, "normal")
+    scale, _ = compute_qparams(w, s)
+    codes = quantize(w, scale, None, s)
+    flat = gq.pack_q4_0(codes, scale)
+    stacked = gq.pack_q4_0(codes.reshape(4, 6, 64), scale.reshape(4, 6, 2))
+    assert torch.equal(stacked.reshape(flat.shape), flat)
+
+
+def test_row_length_must_be_whole_blocks():
+    with pytest.raises(AssertionError, match="multiple of 32"):
+        gq.requantize_q8_0(torch.zeros(2, 40))
