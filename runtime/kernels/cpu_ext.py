@@ -1,6 +1,6 @@
-"""Builds runtime/kernels/cpu/fused_ops.cpp once per machine and loads it as ``torch.ops.compress_cpu``.
+"""Builds runtime/kernels/cpu/*.cpp once per machine and loads it as ``torch.ops.compress_cpu``.
 
-The build is a single ``c++`` call against torch's headers (no ninja, no setuptools), cached under
+The build is a single ``c++`` call (all sources into one library) against torch's headers (no ninja, no setuptools), cached under
 ``$COMPRESS_CACHE`` (default ``~/.cache/compress``) in a folder keyed by the source, torch's version, the
 CPU model and the flags, written to a temporary name and renamed into place. ``-march=native`` makes the
 library this CPU's, hence the CPU in the key. Without a compiler, or if the build or the load fails, the
@@ -23,7 +23,9 @@ from runtime.cpu import cpu_info
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "cpu" / "fused_ops.cpp"
+SOURCE_DIR = Path(__file__).parent / "cpu"
+SOURCES = (SOURCE_DIR / "fused_ops.cpp", SOURCE_DIR / "qgemv.cpp")
+HEADERS = (SOURCE_DIR / "common.h",)
 # -ffp-contract=off: no fused multiply-adds the torch reference does not make; -fno-math-errno and
 # -fno-trapping-math let the exp/min/max/floor loops vectorize (no result changes for finite inputs)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC",
@@ -40,14 +42,15 @@ def _command(out: Path) -> list[str]:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return ([os.environ.get("CXX", "c++"), str(SOURCE), "-o", str(out), *FLAGS, *includes,
+    return ([os.environ.get("CXX", "c++"), *map(str, SOURCES), "-o", str(out), *FLAGS, *includes,
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"])
 
 
 def library_path() -> Path:
     """Where this machine's build of the kernels lives (it may not exist yet)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cpu_info().name.encode(), " ".join(FLAGS).encode()):
+    parts = [f.read_bytes() for f in SOURCES + HEADERS]
+    for part in (*parts, torch.__version__.encode(), cpu_info().name.encode(), " ".join(FLAGS).encode()):
         key.update(part)
     return cache_root() / "kernels" / key.hexdigest()[:16] / "fused_ops.so"
 
@@ -61,7 +64,7 @@ def build(path: Path) -> None:
         out = Path(tmp) / path.name
         proc = subprocess.run(_command(out), capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"compiling the CPU kernels ({SOURCE_DIR}) failed: {proc.stderr.strip()[-2000:]}")
         os.replace(out, path)
 
 

@@ -6,6 +6,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.kernels import w8a8
 from runtime.sequence import SamplingParams
 from tiny_engine import hf_greedy, prompts, save_tiny
 from tiny_models import FAMILIES, MOE_FAMILIES
@@ -223,15 +224,17 @@ def test_quantized_checkpoint_matches_transformers_with_the_same_quantlinears(tm
         assert o.token_ids == hf_greedy(hf, p, N_NEW)
     packed = Engine(EngineConfig(model=str(tmp_path / "q"), kv_cache_memory=1 << 22, quant_kernel="packed",
                                  dtype="float32"))
-    assert packed.runner.kernel_paths == {"int4pack": 2 * hf.config.num_hidden_layers + 2 * hf.config.num_hidden_layers}
-    # packed kernels run bf16 activations: compare the first step's logits rather than whole sequences
+    path = "w8a8" if w8a8.available() else "int4pack"  # the VNNI kernel where the CPU has it
+    assert packed.runner.kernel_paths == {path: 2 * hf.config.num_hidden_layers + 2 * hf.config.num_hidden_layers}
+    # packed kernels run bf16 or int8 activations: compare the first step's logits rather than whole sequences
     from runtime.model_runner import ForwardItem
 
     p = ps[1]
     item = ForwardItem(p, 0, list(range(-(-len(p) // 16))), 1)
     ref = hf(torch.tensor([p])).logits[0, -1]
     got = packed.runner.forward([item])[0]
-    assert (got - ref).norm() / ref.norm() < 2e-2
+    # int8 activations (w8a8) add their rounding to the bf16 one on this tiny random model's flat logits
+    assert (got - ref).norm() / ref.norm() < (4e-2 if path == "w8a8" else 2e-2)
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])

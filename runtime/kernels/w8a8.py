@@ -1,0 +1,122 @@
+"""Integer weights times int8 activations on CPU (runtime/kernels/cpu/qgemv.cpp): the decode step's linears.
+
+``W8A8Linear`` carries a QuantLinear's own 4-bit or 8-bit integer codes, scales and zeros (nothing is
+re-quantized) in the layout the kernel reads, and runs ``torch.ops.compress_cpu.w8a8_linear``. The
+activations are rounded to int8 per block of 32 inside the kernel (as llama.cpp does for its Q4/Q8 dot
+products), which is the only numeric difference from ``QuantLinear.forward``; ``w8a8_reference`` is the
+same computation in torch, for the tests. The kernel exists for few rows (batch-1 and small-batch decode):
+``runtime/kernels/qmatmul.py`` routes larger calls to a bf16 GEMM.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from compress.qlinear import QuantLinear
+
+BLOCK = 32  # activation quantization block (qgemv.cpp's QB)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the loaded CPU kernels were built with AVX512-VNNI (runtime/kernels/cpu_ext.py loads them)."""
+    try:
+        return bool(torch.ops.compress_cpu.has_vnni())
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def pack_tiles(codes: Tensor, bits: int) -> Tensor:
+    """codes [N, K] (0..2^bits-1, K a multiple of 32) -> uint8 [ceil(N/16), K*16*bits/8] as qgemv.cpp reads them.
+
+    Rows in tiles of 16; per tile, per group of 8 columns, 64 bytes (4-bit: byte 4r+i = q[r, 8p+i] | q[r, 8p+4+i]
+    << 4) or 2 x 64 bytes (8-bit: q[r, 8p+i], then q[r, 8p+4+i]); padded rows are code 0.
+    """
+    n, k = codes.shape
+    assert k % BLOCK == 0, k
+    c = F.pad(codes.to(torch.uint8), (0, 0, 0, -n % 16))
+    c = c.reshape(-1, 16, k // 8, 2, 4)  # [T, row, p, half, i]
+    if bits == 4:
+        c = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # [T, row, p, i]
+        return c.permute(0, 2, 1, 3).reshape(c.shape[0], -1).contiguous()
+    assert bits == 8
+    return c.permute(0, 2, 3, 1, 4).reshape(c.shape[0], -1).contiguous()  # [T, p, half, row, i]
+
+
+def tile_rows(t: Tensor) -> Tensor:
+    """Per-row, per-group values [N, G] -> [ceil(N/16), G, 16] (padded rows 0), the layout of the scales."""
+    n, g = t.shape
+    return F.pad(t.float(), (0, 0, 0, -n % 16)).reshape(-1, 16, g).transpose(1, 2).contiguous()
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (int8 codes as fp32 [M, K], scale per block of 32 [M, K/32]), as the kernel rounds them."""
+    xb = x.float().reshape(x.shape[0], -1, BLOCK)
+    s = xb.abs().amax(-1) / 127.0
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    return torch.round(xb * inv[..., None]).reshape(x.shape), s
+
+
+def w8a8_reference(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group: int) -> Tensor:
+    """The kernel's result in torch: x [M, K], codes/zero [N, K]/[N, G] in code units, scale [N, G]; fp32."""
+    xq, sa = quantize_activations(x)
+    m, k = x.shape
+    n = codes.shape[0]
+    prod = torch.einsum("mbi,nbi->mnb", xq.reshape(m, -1, BLOCK), codes.float().reshape(n, -1, BLOCK))
+    ws = scale.float().repeat_interleave(group // BLOCK, dim=1)  # [N, K/32]
+    y = (prod * ws[None] * sa[:, None, :]).sum(-1)
+    gsum = (xq.reshape(m, -1, BLOCK).sum(-1) * sa).reshape(m, -1, group // BLOCK).sum(-1)  # [M, G]
+    return y - gsum @ (scale.float() * zero.float()).T
+
+
+def fits(ql: QuantLinear) -> bool:
+    """Whether the kernel can carry ``ql``: 4- or 8-bit integer codes in groups (or channels) of multiples of 32
+    (act-order groups must also fold into contiguous ones: runtime/kernels/qmatmul.py checks that)."""
+    s = ql.scheme
+    return s.format == "int" and s.bits in (4, 8) and s.group(ql.in_features) % BLOCK == 0
+
+
+class W8A8Linear(nn.Module):
+    """A 4-bit or 8-bit integer QuantLinear (any group multiple of 32, act-order) for qgemv.cpp."""
+
+    path = "w8a8"
+
+    def __init__(self, ql: QuantLinear, perm: Tensor | None = None):
+        super().__init__()
+        s = ql.scheme
+        assert s.format == "int" and s.bits in (4, 8)
+        self.in_features, self.out_features, self.bits = ql.in_features, ql.out_features, s.bits
+        self.group = s.group(ql.in_features)
+        assert self.group % BLOCK == 0, self.group
+        n_groups = s.n_groups(ql.in_features)
+        self.k_pad = n_groups * self.group - ql.in_features  # a ragged last group: zero inputs meet any code
+        self.perm = perm  # act-order: input columns in group order
+        codes = ql.codes()
+        if perm is not None:
+            codes = codes[:, perm]
+        self.register_buffer("weight", pack_tiles(F.pad(codes, (0, self.k_pad)), s.bits))
+        scale = ql.scales.float()
+        zero = ql.qzeros.float() if ql.qzeros is not None else torch.full_like(scale, s.sym_zero)
+        self.register_buffer("scale", tile_rows(scale))
+        self.register_buffer("szero", tile_rows(scale * zero))
+        self.bias = None if ql.bias is None else ql.bias.detach().float()
+        self.direct = perm is None and not self.k_pad and self.bias is None  # the decode step's case
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.direct and x.dim() == 2:
+            return torch.ops.compress_cpu.w8a8_linear(x, self.weight, self.scale, self.szero, self.bits, self.group,
+                                                      self.out_features)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        if self.k_pad:
+            x2 = F.pad(x2, (0, self.k_pad))
+        y = torch.ops.compress_cpu.w8a8_linear(x2.contiguous(), self.weight, self.scale, self.szero, self.bits,
+                                               self.group, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)

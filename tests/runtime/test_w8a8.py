@@ -1,0 +1,104 @@
+"""The W8A8 VNNI kernel (runtime/kernels/cpu/qgemv.cpp) against its torch reference and QuantLinear."""
+import pytest
+import torch
+
+from compress.quant import Scheme
+from runtime.kernels import cpu_ext, w8a8
+from runtime.kernels.qmatmul import prepare_linear
+from test_qmatmul import random_qlinear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if not cpu_ext.load() or not w8a8.available():
+        pytest.skip("no AVX512-VNNI kernels on this CPU (the int4pack/int8pack paths run instead)")
+
+
+def test_pack_tiles_layout():
+    codes = torch.randint(0, 16, (20, 64), dtype=torch.uint8)
+    t = w8a8.pack_tiles(codes, 4)
+    assert t.shape == (2, 64 * 16 // 2)
+    # tile 1, column group p=3, row 2 (global row 18), byte i=1: q[18, 25] | q[18, 29] << 4
+    b = t[1].reshape(8, 16, 4)[3, 2, 1]
+    assert b == codes[18, 25] | (codes[18, 29] << 4)
+    assert (t[1].reshape(8, 16, 4)[:, 4:] == 0).all()  # rows 20..31 are padding
+    t8 = w8a8.pack_tiles(codes.clamp(max=255), 8)
+    assert t8.shape == (2, 64 * 16)
+    assert t8[1].reshape(8, 2, 16, 4)[3, 1, 2, 1] == codes[18, 29]
+
+
+def test_tile_rows():
+    v = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)
+    t = w8a8.tile_rows(v)
+    assert t.shape == (2, 3, 16) and t[1, 2, 3] == v[19, 2] and (t[1, :, 4:] == 0).all()
+
+
+CASES = [
+    # (out, in, scheme, act_order, bias)
+    (64, 128, Scheme(4, 32, sym=False), False, False),
+    (48, 256, Scheme(4, 64, sym=True), False, True),
+    (40, 576, Scheme(4, 128, sym=False), False, False),  # ragged last group, N % 16 != 0
+    (33, 512, Scheme(4, 256, sym=False), False, False),
+    (64, 256, Scheme(4, 64, sym=False), True, False),  # act-order: permuted input
+    (17, 96, Scheme(4, -1, sym=False), False, True),  # per channel, K = 3 blocks
+    (64, 192, Scheme(8, -1, sym=False), False, True),
+    (40, 160, Scheme(8, 32, sym=True), False, False),
+    (24, 128, Scheme(8, 64, sym=False), True, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("out_f,in_f,scheme,act_order,bias", CASES)
+def test_kernel_matches_reference_and_quantlinear(out_f, in_f, scheme, act_order, bias, m, dtype):
+    ql = random_qlinear(out_f, in_f, scheme, act_order, bias, seed=m)
+    assert w8a8.fits(ql)
+    kernel = prepare_linear(ql, "packed", dtype, fused=True)
+    assert kernel.path == "w8a8"
+    x = torch.randn(m, in_f, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = kernel(x)
+    assert out.shape == (m, out_f) and out.dtype == dtype
+    # the same computation in torch: activations rounded to int8 per block of 32, integer dot products
+    xs = x.float()
+    if kernel.perm is not None:
+        xs = xs[:, kernel.perm]
+    xs = torch.nn.functional.pad(xs, (0, kernel.k_pad))
+    codes = ql.codes()
+    if kernel.perm is not None:
+        codes = codes[:, kernel.perm]
+    codes = torch.nn.functional.pad(codes, (0, kernel.k_pad))
+    zero = ql.qzeros if ql.qzeros is not None else torch.full_like(ql.scales, scheme.sym_zero)
+    ref = w8a8.w8a8_reference(xs, codes, ql.scales, zero, kernel.group)
+    if bias:
+        ref = ref + ql.bias.float()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    assert torch.allclose(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item()), (out.float() - ref).abs().max()
+    # and close to the exact product: only the int8 rounding of the activations differs
+    exact = ql(x.float())
+    err = (out.float() - exact).norm() / exact.norm()
+    assert err < 2e-2, err
+
+
+def test_zero_activations_and_zero_scales():
+    ql = random_qlinear(32, 128, Scheme(4, 32, sym=False))
+    ql.scales[:, 1] = 0  # a group whose weights are all zero
+    kernel = prepare_linear(ql, "packed", torch.float32, fused=True)
+    x = torch.zeros(2, 128)
+    x[1, 40:50] = 1.0
+    out = kernel(x)
+    assert (out[0] == 0).all()  # an all-zero block has scale 0, not NaN
+    assert torch.allclose(out[1], ql(x)[1], atol=1e-3)  # the only nonzero block falls in the zeroed group
+
+
+def test_larger_calls_use_the_dense_gemm_in_auto_mode():
+    ql = random_qlinear(64, 128, Scheme(4, 32, sym=False))
+    kernel = prepare_linear(ql, "auto", torch.bfloat16, fused=True)
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    err = (kernel(x).float() - ql(x.float())).norm() / ql(x.float()).norm()
+    assert err < 1e-2
+
+
+def test_without_vnni_the_int4pack_path_runs(monkeypatch):
+    monkeypatch.setattr(w8a8, "available", lambda: False)
+    ql = random_qlinear(64, 128, Scheme(4, 32, sym=False))
+    assert prepare_linear(ql, "packed", torch.float32, fused=True).path == "int4pack"
