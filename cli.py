@@ -170,21 +170,32 @@ def eval_cmd(model_spec, baseline, ppl, tasks, limit, seqlen, max_windows, batch
 
 
 # --- export -------------------------------------------------------------------------------------
-EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "onnx", "onnx-int4")  # compress/export/dispatch.py FORMATS
+EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "onnx", "onnx-int4", "gguf")  # compress/export/dispatch.py FORMATS
 
 
 @main.command("export")
 @click.argument("model_spec", metavar="MODEL_DIR")
 @click.option("--format", "fmt", required=True, help=f"Target format: {', '.join(EXPORT_FORMATS)}.")
-@click.option("--out", required=True, type=click.Path(), help="Output folder (written atomically).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@click.option("--out", required=True, type=click.Path(), help="Output folder, or FILE.gguf for gguf (written atomically).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 @click.option("--dtype", default=None, help="float32 or float16 for the unquantized tensors "
-              "[default: float16 for compressed-tensors/gptq/awq, float32 for onnx/onnx-int4].")
-def export_cmd(model_spec, fmt, out, overwrite, dtype):
-    """Export a quantized folder (or, for --format onnx, any model) to another runtime's format."""
+              "[default: float16 for compressed-tensors/gptq/awq/gguf, float32 for onnx/onnx-int4].")
+@click.option("--requantize", default=None, help="gguf: round layers whose integers do not map (group size, "
+              "act-order, 3-bit, nf4) again by llama.cpp's rules into q4_0, q4_1 or q8_0 (not lossless).")
+@click.option("--embed-type", default=None, help="gguf: f16, f32 or q8_0 for the unquantized matrices "
+              "(embeddings, an fp lm_head) [default: from --dtype].")
+def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type):
+    """Export a quantized folder (or, for --format onnx/gguf, any model) to another runtime's format."""
     from compress.export.dispatch import export
 
-    path = export(model_spec, fmt, out, overwrite=overwrite, dtype=dtype)
+    options = None
+    if fmt == "gguf":
+        from compress.export.gguf import GGUFOptions
+
+        options = GGUFOptions(requantize=requantize, embed_type=embed_type)
+    elif requantize or embed_type:
+        raise ValueError(f"--requantize and --embed-type apply to --format gguf, not {fmt}")
+    path = export(model_spec, fmt, out, overwrite=overwrite, dtype=dtype, options=options)
     click.echo(f"wrote {fmt} export to {path}")
 
 

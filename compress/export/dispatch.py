@@ -1,7 +1,10 @@
 """`compress export`: one plain dict from format name to its exporter, and the checks every format shares."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +12,7 @@ from pathlib import Path
 import torch
 
 from compress.checkpoint import atomic_dir
-from compress.export import awq, compressed_tensors, gptq, onnx_fp, onnx_int4
+from compress.export import awq, compressed_tensors, gguf, gptq, onnx_fp, onnx_int4
 from compress.export.common import DTYPES, Source, load_source
 from compress.qlinear import QuantLinear
 
@@ -18,12 +21,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ExportFormat:
-    """An exporter writes ``source`` into an empty folder; ``check`` says why a layer cannot be carried."""
+    """An exporter writes ``source`` into an empty folder (or, with ``suffix``, one file of that suffix);
+    ``check`` says why a layer cannot be carried; ``options`` is the format's own options type, passed whole."""
 
-    write: Callable[[Source, Path, torch.dtype], None]
+    write: Callable[..., None]  # (source, out, dtype) or, with options, (source, out, dtype, options)
     check: Callable[[QuantLinear], str | None] | None  # None: carries any layer (dequantized)
     quantized_only: bool
     default_dtype: str
+    suffix: str | None = None
+    options: type | None = None
 
 
 FORMATS: dict[str, ExportFormat] = {
@@ -32,6 +38,7 @@ FORMATS: dict[str, ExportFormat] = {
     "awq": ExportFormat(awq.write, awq.check, True, "float16"),
     "onnx": ExportFormat(onnx_fp.write, None, False, "float32"),
     "onnx-int4": ExportFormat(onnx_int4.write, onnx_int4.check, True, "float32"),
+    "gguf": ExportFormat(gguf.write, gguf.check, False, "float16", suffix=".gguf", options=gguf.GGUFOptions),
 }
 
 
@@ -56,24 +63,53 @@ def check_layers(source: Source, fmt: str) -> None:
                      "and the compress folder itself keeps them as they are")
 
 
-def export(spec: str, fmt: str, out: str | Path, overwrite: bool = False, dtype: str | None = None) -> Path:
+@contextlib.contextmanager
+def atomic_file(out: Path, overwrite: bool = False):
+    """Yield a temporary path beside ``out``; rename it into place only if the block succeeds."""
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+    if out.is_dir():
+        raise ValueError(f"{out} is a folder; --out names the file to write")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o666 & ~umask)  # mkstemp makes the file private
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def export(spec: str, fmt: str, out: str | Path, overwrite: bool = False, dtype: str | None = None,
+           options: object | None = None) -> Path:
     """Export the model ``spec`` (a compress quantized folder, an HF folder or a model name) as ``fmt``."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; use one of: {', '.join(FORMATS)}")
-    dtype = dtype or FORMATS[fmt].default_dtype
+    f = FORMATS[fmt]
+    if options is not None and not isinstance(options, f.options or ()):
+        raise ValueError(f"--format {fmt} takes no {type(options).__name__}")
+    dtype = dtype or f.default_dtype
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported; use one of: {', '.join(DTYPES)}")
     out = Path(out)
+    if f.suffix is not None and out.suffix != f.suffix:
+        raise ValueError(f"--format {fmt} writes one file: give --out a name ending in {f.suffix}")
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
     source = load_source(spec)
     if source.path is not None and out.resolve() == source.path.resolve():
         raise ValueError(f"--out {out} is the model folder itself; choose another output folder")
-    if FORMATS[fmt].quantized_only and not source.quantized:
+    if f.quantized_only and not source.quantized:
         raise ValueError(f"--format {fmt} needs a quantized model and {spec} has no quantized layers; "
                          "run `compress quantize` first, or use --format onnx for a floating-point export")
-    check_layers(source, fmt)
+    if getattr(options, "requantize", None) is None:
+        check_layers(source, fmt)
     log.info("exporting %s (%d quantized layers) as %s, %s", spec, len(source.qmodules), fmt, dtype)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        FORMATS[fmt].write(source, tmp, DTYPES[dtype])
+    args = (DTYPES[dtype],) if f.options is None else (DTYPES[dtype], options or f.options())
+    with (atomic_file(out, overwrite) if f.suffix else atomic_dir(out, overwrite=overwrite)) as tmp:
+        f.write(source, tmp, *args)
     return out

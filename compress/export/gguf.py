@@ -1,0 +1,254 @@
+"""GGUF (llama.cpp, Ollama, LM Studio): one file holding the checkpoint's own integers in GGUF block types.
+
+Each quantized linear maps onto a 32-wide block type without rounding again (see gguf_quants.py):
+4-bit symmetric -> ``Q4_0``, 4-bit asymmetric -> ``Q4_1``, 8-bit symmetric -> ``Q8_0``. A group of 32, or
+any multiple of 32 (each block then repeats its group's scale), maps; so does act-order when every
+32-wide block of columns lies in one group. Other layers are refused, naming the fix, unless
+``--requantize TYPE``: their dequantized weights are rounded again by llama.cpp's rules, which the file
+records (``compress.requantized``). Unquantized matrices are ``--embed-type`` (f16, f32 or q8_0); norms,
+biases and MoE routers stay F32. Model knowledge (names, rotary layout) lives in gguf_arch.py.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from compress.export import gguf_arch, gguf_quants
+from compress.export.common import Source, fp_tensors
+from compress.mappings import BLOCK_MAPS
+from compress.moe_packed import PackedLinears, PackedMoEExperts
+from compress.qlinear import QuantLinear
+from compress.quant import QuantizedWeight, Scheme
+
+log = logging.getLogger(__name__)
+
+REQUANTIZE_TYPES = tuple(gguf_quants.REQUANTIZE)
+EMBED_TYPES = ("f16", "f32", "q8_0")
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+FIX = ("re-quantize with `compress quantize ... --group-size 32 --no-act-order` (--sym for Q4_0/Q8_0), "
+       f"or pass --requantize {'|'.join(REQUANTIZE_TYPES)} to round the dequantized weights again (not lossless)")
+
+
+@dataclass(frozen=True)
+class GGUFOptions:
+    """``--requantize``: the block type for layers whose integers do not map (None: refuse them).
+    ``--embed-type``: unquantized matrices (None: from --dtype)."""
+
+    requantize: str | None = None
+    embed_type: str | None = None
+
+    def __post_init__(self):
+        if self.requantize is not None and self.requantize not in REQUANTIZE_TYPES:
+            raise ValueError(f"--requantize {self.requantize!r} is not supported; use one of {', '.join(REQUANTIZE_TYPES)}")
+        if self.embed_type is not None and self.embed_type not in EMBED_TYPES:
+            raise ValueError(f"--embed-type {self.embed_type!r} is not supported; use one of {', '.join(EMBED_TYPES)}")
+
+
+def block_type(scheme: Scheme) -> str | None:
+    """The GGUF block type that carries this scheme's codes exactly."""
+    if scheme.format != "int":
+        return None
+    return {(4, True): "q4_0", (4, False): "q4_1", (8, True): "q8_0"}.get((scheme.bits, scheme.sym))
+
+
+def block_groups(in_features: int, scheme: Scheme, g_idx: Tensor | None) -> Tensor:
+    """The group of each 32-wide block of input columns."""
+    starts = torch.arange(0, in_features, gguf_quants.BLOCK)
+    return g_idx.long()[starts] if g_idx is not None else starts // scheme.group(in_features)
+
+
+def why_not(scheme: Scheme, in_features: int, g_idx: Tensor | None) -> str | None:
+    """Why these integers do not map onto a GGUF block type as they are (None: they do)."""
+    if block_type(scheme) is None:
+        kind = scheme.format if scheme.format != "int" else f"{scheme.bits}-bit {'symmetric' if scheme.sym else 'asymmetric'}"
+        return f"{kind} codes have no GGUF block type (4-bit -> Q4_0/Q4_1, 8-bit symmetric -> Q8_0); {FIX}"
+    if in_features % gguf_quants.BLOCK:
+        return (f"in_features {in_features} is not a multiple of GGUF's block of 32; pass --requantize "
+                f"{'|'.join(REQUANTIZE_TYPES)} to write such layers as F16 (--embed-type f32: F32)")
+    if scheme.group(in_features) % gguf_quants.BLOCK:
+        return f"group_size {scheme.group_size} does not cover whole 32-wide GGUF blocks; {FIX}"
+    if g_idx is not None:
+        # g_idx: [..., in] -> [..., n_blocks, 32]: each block must sit in one group
+        blocks = g_idx.reshape(*g_idx.shape[:-1], -1, gguf_quants.BLOCK)
+        if not bool((blocks == blocks[..., :1]).all()):
+            return f"the act-order group map mixes groups inside 32-wide blocks; {FIX}"
+    return None
+
+
+def check(m: QuantLinear) -> str | None:
+    return why_not(m.scheme, m.in_features, m.g_idx)
+
+
+@dataclass
+class Encoded:
+    """One GGUF tensor: ``data`` is block bytes (uint8) for block types, floats otherwise."""
+
+    qtype: str
+    data: Tensor
+    requantized: bool = False
+
+
+def encode_exact(qw: QuantizedWeight) -> Encoded:
+    """Our codes and scales as GGUF blocks, unchanged (rows [..., out, in] -> bytes [..., out, n_blocks * size])."""
+    qtype = block_type(qw.scheme)
+    gid = block_groups(qw.q.shape[-1], qw.scheme, qw.g_idx)
+    d = qw.scale.index_select(-1, gid)  # [out, n_blocks]
+    if qtype == "q4_0":
+        return Encoded(qtype, gguf_quants.pack_q4_0(qw.q, d))
+    if qtype == "q4_1":
+        m = -d.float() * qw.zero.index_select(-1, gid).float()
+        return Encoded(qtype, gguf_quants.pack_q4_1(qw.q, d, m))
+    return Encoded(qtype, gguf_quants.pack_q8_0(qw.q.to(torch.int16) - qw.scheme.sym_zero, d))
+
+
+def encode_float(w: Tensor, qtype: str) -> Encoded:
+    """A float matrix as F32, F16 or a block type (rows whose width is not whole blocks fall back to F16)."""
+    if qtype == "f32":
+        return Encoded("f32", w.float())
+    if qtype == "f16" or w.shape[-1] % gguf_quants.BLOCK:
+        return Encoded("f16", w.half())
+    return Encoded(qtype, gguf_quants.REQUANTIZE[qtype](w))
+
+
+def encode_quantized(weights: list[QuantizedWeight], name: str, options: GGUFOptions, fallback: str) -> Encoded:
+    """One linear (or a stack of experts) exactly, or requantized when allowed; else refuse."""
+    qw = weights[0]
+    why = next((r for w in weights if (r := why_not(w.scheme, w.q.shape[-1], w.g_idx)) is not None), None)
+    if why is None:
+        parts = [encode_exact(w) for w in weights]
+    elif options.requantize is None:
+        raise ValueError(f"--format gguf cannot carry {name} exactly ({why})")
+    else:
+        wanted = options.requantize if qw.q.shape[-1] % gguf_quants.BLOCK == 0 else fallback
+        parts = [encode_float(w.dequantize(), wanted) for w in weights]
+        parts = [Encoded(p.qtype, p.data, True) for p in parts]
+    data = parts[0].data if len(parts) == 1 else torch.stack([p.data for p in parts])
+    return Encoded(parts[0].qtype, data, parts[0].requantized)
+
+
+def _stack(lin: QuantLinear | PackedLinears) -> list[QuantizedWeight]:
+    if isinstance(lin, QuantLinear):
+        return [lin.quantized_weight()]
+    return [lin.quantized_weight(e) for e in range(lin.num_experts)]
+
+
+def _float_type(gguf_name: str, t: Tensor, embed_type: str) -> str:
+    base = gguf_name.rsplit(".", 2)[-2]
+    return "f32" if t.dim() == 1 or base in gguf_arch.ROUTERS else embed_type
+
+
+def _finish(name: str, enc: Encoded, model: nn.Module, arch: gguf_arch.GGUFArch) -> Encoded:
+    """llama.cpp's conventions on top of the values: Gemma's norm offset, Llama's q/k rotary rows."""
+    offset = BLOCK_MAPS[model.config.model_type].norm_offset if model.config.model_type in BLOCK_MAPS else 0.0
+    if offset and name.endswith("norm.weight"):
+        enc = Encoded(enc.qtype, enc.data + offset, enc.requantized)
+    heads = gguf_arch.rope_heads(name.rsplit(".", 1)[0], model.config, arch)
+    if heads is not None:
+        enc = Encoded(enc.qtype, gguf_arch.rope_rows(enc.data, heads), enc.requantized)
+    return enc
+
+
+def plan_tensors(model: nn.Module, arch: gguf_arch.GGUFArch, options: GGUFOptions, embed_type: str) -> dict[str, Encoded]:
+    """Every GGUF tensor by name, encoded; raises before anything is written if one cannot be carried."""
+    out: dict[str, Encoded] = {}
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedMoEExperts)}
+    for key, t in fp_tensors(model, torch.float32).items():
+        if any(key.startswith(f"{p}.") for p in packed):
+            continue
+        owner, _, leaf = key.rpartition(".")
+        names = gguf_arch.gguf_names(key) if leaf not in ("weight", "bias") else gguf_arch.gguf_names(owner)
+        suffix = leaf if leaf in ("weight", "bias") else "weight"
+        rows = torch.chunk(t, len(names), dim=-2) if len(names) > 1 else (t,)
+        for n, part in zip(names, rows):
+            if n.rsplit(".", 1)[-1] in gguf_arch.VECTORS:
+                part = part.reshape(-1)
+            out[f"{n}.{suffix}"] = encode_float(part, _float_type(f"{n}.{suffix}", part, embed_type))
+    for mod, lin in quantized_linears(model, packed).items():
+        names = gguf_arch.gguf_names(mod)
+        enc = encode_quantized(_stack(lin), mod, options, "f32" if embed_type == "f32" else "f16")
+        for n, part in zip(names, torch.chunk(enc.data, len(names), dim=-2)):
+            out[f"{n}.weight"] = Encoded(enc.qtype, part.contiguous(), enc.requantized)
+    return {name: _finish(name, enc, model, arch) for name, enc in out.items()}
+
+
+def quantized_linears(model: nn.Module, packed: dict[str, PackedMoEExperts]) -> dict[str, QuantLinear | PackedLinears]:
+    """Quantized linears by Hugging Face name; packed experts by their fused parameter's name."""
+    out: dict[str, QuantLinear | PackedLinears] = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    for n, m in packed.items():
+        out[f"{n}.gate_up_proj"], out[f"{n}.down_proj"] = m.gate_up_proj, m.down_proj
+    return out
+
+
+def provenance(source: Source, requantized: list[str], requantize: str | None) -> dict[str, object]:
+    """compress.* metadata: how the integers were made, and which tensors were rounded again."""
+    qc: dict = {}
+    cfg = source.path / "config.json" if source.path is not None else None
+    if cfg is not None and cfg.is_file():
+        qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+    out: dict[str, object] = {"compress.quant_method": str(qc.get("method", "none"))}
+    for key in ("recipe", "source_model"):
+        if qc.get(key):
+            out[f"compress.{key}"] = str(qc[key])
+    if qc:
+        scheme = {k: qc[k] for k in ("bits", "group_size", "sym", "format", "act_order") if k in qc}
+        out["compress.scheme"] = json.dumps(scheme, sort_keys=True)
+        out["compress.calibration"] = json.dumps(qc.get("calibration") or {}, sort_keys=True)
+    out["compress.lossless"] = not requantized
+    if requantized:
+        out["compress.requantize_type"] = str(requantize)
+        out["compress.requantized"] = requantized
+    return out
+
+
+def _add(writer, key: str, value) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif value:  # a non-empty list (GGUF has no empty arrays)
+        writer.add_array(key, value)
+
+
+def write(source: Source, path: Path, dtype: torch.dtype, options: GGUFOptions) -> None:
+    """Write ``source`` as one GGUF file at ``path``."""
+    import gguf
+
+    from compress.export.gguf_vocab import vocab_of
+
+    model, config = source.model, source.model.config
+    arch = gguf_arch.arch_of(source.model_type)
+    if source.tokenizer is None:
+        raise ValueError("--format gguf needs the model's tokenizer beside its weights; none was found")
+    embed_type = options.embed_type or ("f32" if dtype == torch.float32 else "f16")
+    metadata = {**gguf_arch.hparams(config, arch), **vocab_of(source.tokenizer, config.vocab_size).values()}
+    tensors = plan_tensors(model, arch, options, embed_type)
+    requantized = sorted(n for n, e in tensors.items() if e.requantized)
+    if requantized:
+        log.warning("requantized %d tensor(s) to %s by llama.cpp's rounding (not lossless): %s", len(requantized),
+                    options.requantize, ", ".join(requantized[:4]) + (" ..." if len(requantized) > 4 else ""))
+    blocks = Counter(e.qtype for e in tensors.values() if e.qtype in gguf_quants.BYTES_PER_BLOCK)
+    main_type = blocks.most_common(1)[0][0] if blocks else embed_type
+    metadata.update({"general.name": source.path.name if source.path else source.model_type,
+                     "general.file_type": FILE_TYPES[main_type], "general.quantization_version": 2,
+                     **provenance(source, requantized, options.requantize)})
+    writer = gguf.GGUFWriter(str(path), arch.name)
+    for key, value in metadata.items():
+        _add(writer, key, value)
+    for name, enc in tensors.items():
+        raw = getattr(gguf.GGMLQuantizationType, enc.qtype.upper()) if enc.data.dtype == torch.uint8 else None
+        writer.add_tensor(name, enc.data.contiguous().numpy(), raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    log.info("wrote %d tensors (%s) to %s", len(tensors), dict(Counter(e.qtype for e in tensors.values())), path)

@@ -1,0 +1,142 @@
+"""What llama.cpp calls each model family and its tensors: model knowledge as data, keyed by model_type.
+
+Rotary layout (llama.cpp ``llama_model_rope_type``): the ``llama`` architecture runs NORM rope, which
+rotates pairs of adjacent head dimensions ``(2i, 2i+1)``; Hugging Face's Llama rotates ``(i, i + d/2)``,
+so llama.cpp's converter interleaves the rows of each q/k head (``permute_qk``). ``qwen2``, ``qwen2moe``,
+``qwen3``, ``qwen3moe`` and ``gemma`` run NEOX rope, which is Hugging Face's layout already. Permuting
+rows of a quantized tensor is exact: GGUF blocks run along the input dimension, within one row.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    name: str  # general.architecture
+    permute_qk: bool  # interleave the rows of each q/k head for NORM rope
+
+
+ARCHS: dict[str, GGUFArch] = {
+    "llama": GGUFArch("llama", True),
+    "mistral": GGUFArch("llama", True),
+    "mixtral": GGUFArch("llama", True),  # llama.cpp runs Mixtral as llama with experts
+    "qwen2": GGUFArch("qwen2", False),
+    "qwen2_moe": GGUFArch("qwen2moe", False),
+    "qwen3": GGUFArch("qwen3", False),
+    "qwen3_moe": GGUFArch("qwen3moe", False),
+    "gemma": GGUFArch("gemma", False),
+}
+
+# Hugging Face module name -> GGUF tensor name ("weight"/"bias" is appended); blocks are "blk.{i}".
+TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+BLOCK_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # the MoE router
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.experts.down_proj": "ffn_down_exps",  # [E, H, I]
+}
+# Fused tensors llama.cpp keeps apart: rows split in order (transformers' gate_up_proj [E, 2I, H]).
+SPLIT_NAMES = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps")}
+ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # kept in F32, as llama.cpp keeps them
+VECTORS = ("ffn_gate_inp_shexp",)  # HF [1, H], llama.cpp {n_embd}
+_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# (GGUF key under the architecture, config attributes tried in order): written when the config has one.
+UINT_HPARAMS = (
+    ("context_length", ("max_position_embeddings",)),
+    ("embedding_length", ("hidden_size",)),
+    ("block_count", ("num_hidden_layers",)),
+    ("feed_forward_length", ("intermediate_size",)),
+    ("attention.head_count", ("num_attention_heads",)),
+    ("attention.head_count_kv", ("num_key_value_heads",)),
+    ("expert_count", ("num_local_experts", "num_experts")),
+    ("expert_used_count", ("num_experts_per_tok",)),
+    ("expert_feed_forward_length", ("moe_intermediate_size",)),
+    ("expert_shared_feed_forward_length", ("shared_expert_intermediate_size",)),
+)
+
+
+def arch_of(model_type: str) -> GGUFArch:
+    if model_type not in ARCHS:
+        raise ValueError(f"--format gguf does not handle model_type {model_type!r}; supported: {', '.join(ARCHS)}")
+    return ARCHS[model_type]
+
+
+def gguf_names(module: str) -> tuple[str, ...]:
+    """The GGUF tensor name(s), without "weight"/"bias", of a Hugging Face module or fused parameter."""
+    if module in TOP_NAMES:
+        return (TOP_NAMES[module],)
+    m = _BLOCK.match(module)
+    if m is not None:
+        i, rest = m.groups()
+        if rest in BLOCK_NAMES:
+            return (f"blk.{i}.{BLOCK_NAMES[rest]}",)
+        if rest in SPLIT_NAMES:
+            return tuple(f"blk.{i}.{n}" for n in SPLIT_NAMES[rest])
+    raise ValueError(f"no GGUF tensor name for {module!r}: compress/export/gguf_arch.py maps "
+                     f"{', '.join(TOP_NAMES)} and model.layers.N.{{{', '.join(BLOCK_NAMES)}}}")
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        raise ValueError(f"--format gguf writes plain rotary embeddings, and this model uses rope_type {kind!r}")
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def hparams(config, arch: GGUFArch) -> dict[str, int | float]:
+    """The ``{arch}.*`` metadata llama.cpp reads to build the graph."""
+    out: dict[str, int | float] = {}
+    for key, attrs in UINT_HPARAMS:
+        value = next((getattr(config, a) for a in attrs if getattr(config, a, None) is not None), None)
+        if value is not None:
+            out[f"{arch.name}.{key}"] = int(value)
+    d = head_dim(config)
+    out[f"{arch.name}.attention.key_length"] = out[f"{arch.name}.attention.value_length"] = d
+    out[f"{arch.name}.rope.dimension_count"] = d
+    out[f"{arch.name}.rope.freq_base"] = rope_theta(config)
+    out[f"{arch.name}.attention.layer_norm_rms_epsilon"] = float(config.rms_norm_eps)
+    out[f"{arch.name}.vocab_size"] = int(config.vocab_size)
+    return out
+
+
+def rope_rows(t: Tensor, n_head: int) -> Tensor:
+    """Rows of a q/k projection (weight, bias, or packed blocks) from HF's half-split rotary layout to
+    llama.cpp's interleaved one: within each head, row ``2i + j`` takes row ``j * d/2 + i``."""
+    rows = t.shape[0]
+    assert rows % (2 * n_head) == 0, f"{rows} rows do not split into {n_head} heads of even width"
+    # [rows, ...] -> [n_head, 2, d/2, ...] -> [n_head, d/2, 2, ...] -> [rows, ...]
+    return t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def rope_heads(gguf_name: str, config, arch: GGUFArch) -> int | None:
+    """How many heads to interleave for this tensor (``None``: leave its rows alone)."""
+    if not arch.permute_qk:
+        return None
+    if gguf_name.endswith(".attn_q"):
+        return config.num_attention_heads
+    if gguf_name.endswith(".attn_k"):
+        return config.num_key_value_heads
+    return None
