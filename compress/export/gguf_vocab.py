@@ -124,10 +124,10 @@ def vocab_of(tokenizer, n_vocab: int) -> Vocab:
             types.append(UNUSED)
         else:
             tokens.append(tok)
-            if i in added:
-                types.append(CONTROL if added[i].get("special") else USER_DEFINED)
-            elif sentencepiece and i == special.get("unknown"):
+            if sentencepiece and i == special.get("unknown"):
                 types.append(UNKNOWN)
+            elif i in added:
+                types.append(CONTROL if added[i].get("special") else USER_DEFINED)
             elif sentencepiece and _BYTE_TOKEN.match(tok):
                 types.append(BYTE)
             else:
