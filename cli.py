@@ -130,11 +130,15 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
 
 @main.command()
 def recipes():
-    """List the bundled recipes."""
-    from compress.config import list_recipes
+    """List the bundled recipes, and the GGUF type each exports to losslessly (`compress export --format gguf`)."""
+    from compress.config import list_recipes, load_recipe
+    from compress.export.gguf import recipe_block_type
 
     for name, desc in list_recipes().items():
-        click.echo(f"{name:16s} {desc}")
+        cfg = load_recipe(name)
+        kind = recipe_block_type(cfg.scheme, cfg.act_order, cfg.static_groups)
+        gguf = f"gguf {kind.upper()}" if kind else "gguf needs --requantize"
+        click.echo(f"{name:16s} {desc} [{gguf}]")
 
 
 # --- eval ---------------------------------------------------------------------------------------

@@ -57,6 +57,16 @@ def block_type(scheme: Scheme) -> str | None:
     return {(4, True): "q4_0", (4, False): "q4_1", (8, True): "q8_0"}.get((scheme.bits, scheme.sym))
 
 
+def recipe_block_type(scheme: Scheme, act_order: bool = False, static_groups: bool = False) -> str | None:
+    """The GGUF type a recipe's checkpoints export to without rounding again (widths divisible by 32), or None.
+    Act-order forms groups in permuted order unless its groups are static, which mixes groups inside blocks."""
+    if act_order and not static_groups:
+        return None
+    if scheme.group_size != -1 and scheme.group_size % gguf_quants.BLOCK:
+        return None
+    return block_type(scheme)
+
+
 def block_groups(in_features: int, scheme: Scheme, g_idx: Tensor | None) -> Tensor:
     """The group of each 32-wide block of input columns."""
     starts = torch.arange(0, in_features, gguf_quants.BLOCK)

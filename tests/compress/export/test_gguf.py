@@ -219,3 +219,28 @@ def test_cli_gguf_flags(checkpoint, tmp_path):
     r = CliRunner().invoke(main, ["export", src, "--format", "gguf", "--out", str(tmp_path / "x.gguf"),
                                   "--embed-type", "bf16"])
     assert r.exit_code == 2 and "--embed-type 'bf16'" in r.output and not (tmp_path / "x.gguf").exists()
+
+
+def test_recipes_say_which_gguf_type_they_export_to_losslessly():
+    from click.testing import CliRunner
+
+    from cli import main
+
+    lines = {line.split()[0]: line for line in CliRunner().invoke(main, ["recipes"]).output.splitlines()}
+    assert lines["gptq4-q4_0"].endswith("[gguf Q4_0]") and lines["awq4-q4_1"].endswith("[gguf Q4_1]")
+    assert lines["int8"].endswith("[gguf Q8_0]") and lines["gptq3"].endswith("[gguf needs --requantize]")
+
+
+def test_act_order_folds_when_every_block_lies_in_one_group():
+    from compress.export.gguf import encode_exact, why_not
+    from compress.quant import QuantizedWeight, compute_qparams, quantize
+
+    s = Scheme(4, 32, sym=True)
+    w = torch.randn(6, 128, generator=torch.Generator().manual_seed(0))
+    g_idx = torch.tensor([2, 0, 3, 1]).repeat_interleave(32)  # whole blocks, groups out of order
+    perm = torch.argsort(g_idx, stable=True)
+    scale, _ = compute_qparams(w[:, perm], s)
+    qw = QuantizedWeight(quantize(w, scale, None, s, g_idx), scale, None, s, g_idx)
+    assert why_not(s, 128, g_idx) is None and "--no-act-order" in why_not(s, 128, g_idx.roll(1))
+    got = gguf.quants.dequantize(encode_exact(qw).data.numpy(), gguf.GGMLQuantizationType.Q4_0).reshape(6, 128)
+    np.testing.assert_array_equal(got, qw.dequantize().numpy())
