@@ -2,6 +2,8 @@
 checkpoint's logits; the SentencePiece vocabulary; a floating-point model exports like llama.cpp's converter."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -83,3 +85,21 @@ def test_sentencepiece_vocabulary():
     scores = v["tokenizer.ggml.scores"]
     assert scores[262] > scores[263]  # "▁h" (lower id) merges before "▁hi"
     assert v["tokenizer.ggml.tokens"][269] == "[PAD269]"
+
+
+def test_compress_eval_scores_the_gguf_as_it_scores_the_checkpoint(tmp_path):
+    from click.testing import CliRunner
+
+    from cli import main
+
+    src = build(tmp_path / "q", "llama", Scheme(4, 32, sym=True))
+    path = export(str(src), "gguf", tmp_path / "m.gguf", options=GGUFOptions(embed_type="f32"))
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog, hello world. " * 40)
+    results = []
+    for model in (src, path):
+        out = tmp_path / f"{model.name}.json"
+        r = CliRunner().invoke(main, ["eval", str(model), "--ppl", str(text), "--seqlen", "32", "--json", str(out)])
+        assert r.exit_code == 0, r.output
+        results.append(json.loads(out.read_text())["compressed"]["ppl"])
+    assert results[0] == pytest.approx(results[1], rel=1e-5) and len(results[0]) == 1
