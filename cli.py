@@ -188,7 +188,9 @@ EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "onnx", "onnx-int4", "ggu
               "act-order, 3-bit, nf4) again by llama.cpp's rules into q4_0, q4_1 or q8_0 (not lossless).")
 @click.option("--embed-type", default=None, help="gguf: f16, f32 or q8_0 for the unquantized matrices "
               "(embeddings, an fp lm_head) [default: from --dtype].")
-def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type):
+@click.option("--k-quants", is_flag=True, help="gguf: 4-bit layers whose width divides by 256 as Q4_K (our codes, "
+              "scales rounded to 6 bits: smaller than Q4_1, not lossless); the others stay Q4_0/Q4_1.")
+def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type, k_quants):
     """Export a quantized folder (or, for --format onnx/gguf, any model) to another runtime's format."""
     from compress.export.dispatch import export
 
@@ -196,9 +198,9 @@ def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type):
     if fmt == "gguf":
         from compress.export.gguf import GGUFOptions
 
-        options = GGUFOptions(requantize=requantize, embed_type=embed_type)
-    elif requantize or embed_type:
-        raise ValueError(f"--requantize and --embed-type apply to --format gguf, not {fmt}")
+        options = GGUFOptions(requantize=requantize, embed_type=embed_type, k_quants=k_quants)
+    elif requantize or embed_type or k_quants:
+        raise ValueError(f"--requantize, --embed-type and --k-quants apply to --format gguf, not {fmt}")
     path = export(model_spec, fmt, out, overwrite=overwrite, dtype=dtype, options=options)
     click.echo(f"wrote {fmt} export to {path}")
 

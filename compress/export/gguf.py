@@ -5,15 +5,17 @@ Each quantized linear maps onto a 32-wide block type without rounding again (see
 any multiple of 32 (each block then repeats its group's scale), maps; so does act-order when every
 32-wide block of columns lies in one group. Other layers are refused, naming the fix, unless
 ``--requantize TYPE``: their dequantized weights are rounded again by llama.cpp's rules, which the file
-records (``compress.requantized``). Unquantized matrices are ``--embed-type`` (f16, f32 or q8_0); norms,
-biases and MoE routers stay F32. Model knowledge (names, rotary layout) lives in gguf_arch.py.
+records (``compress.requantized``). ``--k-quants`` writes 4-bit layers whose width divides by 256 as ``Q4_K``
+(our codes; each super-block's scales rounded to 6 bits, so not lossless), the rest as above, as llama.cpp
+falls back. Unquantized matrices are ``--embed-type`` (f16, f32 or q8_0); norms, biases and MoE routers
+stay F32. Model knowledge (names, rotary layout) lives in gguf_arch.py.
 """
 from __future__ import annotations
 
 import json
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 
 REQUANTIZE_TYPES = tuple(gguf_quants.REQUANTIZE)
 EMBED_TYPES = ("f16", "f32", "q8_0")
-FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 FIX = ("re-quantize with `compress quantize ... --group-size 32 --no-act-order` (--sym for Q4_0/Q8_0), "
        f"or pass --requantize {'|'.join(REQUANTIZE_TYPES)} to round the dequantized weights again (not lossless)")
 
@@ -38,10 +40,11 @@ FIX = ("re-quantize with `compress quantize ... --group-size 32 --no-act-order` 
 @dataclass(frozen=True)
 class GGUFOptions:
     """``--requantize``: the block type for layers whose integers do not map (None: refuse them).
-    ``--embed-type``: unquantized matrices (None: from --dtype)."""
+    ``--embed-type``: unquantized matrices (None: from --dtype). ``--k-quants``: 4-bit layers as Q4_K."""
 
     requantize: str | None = None
     embed_type: str | None = None
+    k_quants: bool = False
 
     def __post_init__(self):
         if self.requantize is not None and self.requantize not in REQUANTIZE_TYPES:
@@ -95,20 +98,25 @@ def check(m: QuantLinear) -> str | None:
     return why_not(m.scheme, m.in_features, m.g_idx)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Encoded:
-    """One GGUF tensor: ``data`` is block bytes (uint8) for block types, floats otherwise."""
+    """One GGUF tensor: ``data`` is block bytes (uint8) for block types, floats otherwise; ``how`` it was made:
+    "exact" (our values), "6-bit scales" (Q4_K: our codes, scales rounded) or "requantized" (rounded again)."""
 
     qtype: str
     data: Tensor
-    requantized: bool = False
+    how: str = "exact"
 
 
-def encode_exact(qw: QuantizedWeight) -> Encoded:
-    """Our codes and scales as GGUF blocks, unchanged (rows [..., out, in] -> bytes [..., out, n_blocks * size])."""
+def encode_exact(qw: QuantizedWeight, k_quants: bool = False) -> Encoded:
+    """Our codes and scales as GGUF blocks (rows [..., out, in] -> bytes [..., out, n_blocks * size]); with
+    ``k_quants``, 4-bit rows whose width divides by 256 become Q4_K, their scales rounded to 6 bits."""
     qtype = block_type(qw.scheme)
     gid = block_groups(qw.q.shape[-1], qw.scheme, qw.g_idx)
     d = qw.scale.index_select(-1, gid)  # [out, n_blocks]
+    if k_quants and qtype in ("q4_0", "q4_1") and qw.q.shape[-1] % gguf_quants.SUPER_BLOCK == 0:
+        z = qw.scheme.sym_zero if qw.zero is None else qw.zero.index_select(-1, gid).float()
+        return Encoded("q4_k", gguf_quants.pack_q4_k(qw.q, d, d.float() * z), "6-bit scales")
     if qtype == "q4_0":
         return Encoded(qtype, gguf_quants.pack_q4_0(qw.q, d))
     if qtype == "q4_1":
@@ -131,15 +139,14 @@ def encode_quantized(weights: list[QuantizedWeight], name: str, options: GGUFOpt
     qw = weights[0]
     why = next((r for w in weights if (r := why_not(w.scheme, w.q.shape[-1], w.g_idx)) is not None), None)
     if why is None:
-        parts = [encode_exact(w) for w in weights]
+        parts = [encode_exact(w, options.k_quants) for w in weights]
     elif options.requantize is None:
         raise ValueError(f"--format gguf cannot carry {name} exactly ({why})")
     else:
         wanted = options.requantize if qw.q.shape[-1] % gguf_quants.BLOCK == 0 else fallback
-        parts = [encode_float(w.dequantize(), wanted) for w in weights]
-        parts = [Encoded(p.qtype, p.data, True) for p in parts]
+        parts = [replace(encode_float(w.dequantize(), wanted), how="requantized") for w in weights]
     data = parts[0].data if len(parts) == 1 else torch.stack([p.data for p in parts])
-    return Encoded(parts[0].qtype, data, parts[0].requantized)
+    return replace(parts[0], data=data)
 
 
 def _stack(lin: QuantLinear | PackedLinears) -> list[QuantizedWeight]:
@@ -157,10 +164,10 @@ def _finish(name: str, enc: Encoded, model: nn.Module, arch: gguf_arch.GGUFArch)
     """llama.cpp's conventions on top of the values: Gemma's norm offset, Llama's q/k rotary rows."""
     offset = BLOCK_MAPS[model.config.model_type].norm_offset if model.config.model_type in BLOCK_MAPS else 0.0
     if offset and name.endswith("norm.weight"):
-        enc = Encoded(enc.qtype, enc.data + offset, enc.requantized)
+        enc = replace(enc, data=enc.data + offset)
     heads = gguf_arch.rope_heads(name.rsplit(".", 1)[0], model.config, arch)
     if heads is not None:
-        enc = Encoded(enc.qtype, gguf_arch.rope_rows(enc.data, heads), enc.requantized)
+        enc = replace(enc, data=gguf_arch.rope_rows(enc.data, heads))
     return enc
 
 
@@ -183,7 +190,7 @@ def plan_tensors(model: nn.Module, arch: gguf_arch.GGUFArch, options: GGUFOption
         names = gguf_arch.gguf_names(mod)
         enc = encode_quantized(_stack(lin), mod, options, "f32" if embed_type == "f32" else "f16")
         for n, part in zip(names, torch.chunk(enc.data, len(names), dim=-2)):
-            out[f"{n}.weight"] = Encoded(enc.qtype, part.contiguous(), enc.requantized)
+            out[f"{n}.weight"] = replace(enc, data=part.contiguous())
     return {name: _finish(name, enc, model, arch) for name, enc in out.items()}
 
 
@@ -195,8 +202,8 @@ def quantized_linears(model: nn.Module, packed: dict[str, PackedMoEExperts]) -> 
     return out
 
 
-def provenance(source: Source, requantized: list[str], requantize: str | None) -> dict[str, object]:
-    """compress.* metadata: how the integers were made, and which tensors were rounded again."""
+def provenance(source: Source, tensors: dict[str, Encoded], options: GGUFOptions) -> dict[str, object]:
+    """compress.* metadata: how the integers were made, and which tensors are not exactly ours."""
     qc: dict = {}
     cfg = source.path / "config.json" if source.path is not None else None
     if cfg is not None and cfg.is_file():
@@ -209,9 +216,12 @@ def provenance(source: Source, requantized: list[str], requantize: str | None) -
         scheme = {k: qc[k] for k in ("bits", "group_size", "sym", "format", "act_order") if k in qc}
         out["compress.scheme"] = json.dumps(scheme, sort_keys=True)
         out["compress.calibration"] = json.dumps(qc.get("calibration") or {}, sort_keys=True)
-    out["compress.lossless"] = not requantized
+    out["compress.lossless"] = all(e.how == "exact" for e in tensors.values())
+    if options.k_quants:
+        out["compress.k_quants"] = sum(e.qtype == "q4_k" for e in tensors.values())  # tensors with 6-bit scales
+    requantized = sorted(n for n, e in tensors.items() if e.how == "requantized")
     if requantized:
-        out["compress.requantize_type"] = str(requantize)
+        out["compress.requantize_type"] = str(options.requantize)
         out["compress.requantized"] = requantized
     return out
 
@@ -242,7 +252,7 @@ def write(source: Source, path: Path, dtype: torch.dtype, options: GGUFOptions) 
     embed_type = options.embed_type or ("f32" if dtype == torch.float32 else "f16")
     metadata = {**gguf_arch.hparams(config, arch), **vocab_of(source.tokenizer, config.vocab_size).values()}
     tensors = plan_tensors(model, arch, options, embed_type)
-    requantized = sorted(n for n, e in tensors.items() if e.requantized)
+    requantized = sorted(n for n, e in tensors.items() if e.how == "requantized")
     if requantized:
         log.warning("requantized %d tensor(s) to %s by llama.cpp's rounding (not lossless): %s", len(requantized),
                     options.requantize, ", ".join(requantized[:4]) + (" ..." if len(requantized) > 4 else ""))
@@ -250,7 +260,7 @@ def write(source: Source, path: Path, dtype: torch.dtype, options: GGUFOptions) 
     main_type = blocks.most_common(1)[0][0] if blocks else embed_type
     metadata.update({"general.name": source.path.name if source.path else source.model_type,
                      "general.file_type": FILE_TYPES[main_type], "general.quantization_version": 2,
-                     **provenance(source, requantized, options.requantize)})
+                     **provenance(source, tensors, options)})
     writer = gguf.GGUFWriter(str(path), arch.name)
     for key, value in metadata.items():
         _add(writer, key, value)

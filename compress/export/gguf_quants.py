@@ -6,6 +6,9 @@ inputs of one row, so a row of ``n`` inputs is ``n / 32`` blocks laid end to end
   and code ``j + 16`` in its high nibble. ``w = d * (q - 8)``.
 - ``Q4_1`` 20 bytes: ``d`` fp16, ``m`` fp16, then the same 16 nibble bytes. ``w = d * q + m``.
 - ``Q8_0`` 34 bytes: ``d`` fp16, then 32 signed bytes ``q``. ``w = d * q``.
+- ``Q4_K`` 144 bytes per super-block of 256 inputs (8 sub-blocks of 32): ``d``, ``dmin`` fp16, 12 bytes of
+  eight 6-bit scales ``sc`` and mins ``mn``, then 128 nibble bytes (byte ``l`` of each 32-byte chunk ``k``
+  holds sub-block ``2k``'s code ``l`` low and ``2k + 1``'s high). ``w = d * sc * q - dmin * mn``.
 
 Our codes map onto these without rounding: a symmetric 4-bit code already is ``q`` with zero 8
 (``Scheme.sym_zero``), so ``Q4_0`` stores it with ``d = scale``; an asymmetric 4-bit code keeps ``q`` and
@@ -18,8 +21,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from compress.quant import fp16_ceil
+
 BLOCK = 32
-BYTES_PER_BLOCK = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+SUPER_BLOCK = 256
+BYTES_PER_BLOCK = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 144}
 
 
 def _blocks(x: Tensor) -> Tensor:
@@ -60,6 +66,31 @@ def pack_q8_0(q: Tensor, d: Tensor) -> Tensor:
     assert int(q.min()) >= -128 and int(q.max()) <= 127
     signed = _blocks(q.to(torch.int8)).contiguous().view(torch.uint8)
     return _rows([_fp16_bytes(d), signed])
+
+
+def _six_bits(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Non-negative values [..., 8] -> (fp16 super-scale [..., 1] rounded up, 6-bit multiples [..., 8])."""
+    top = fp16_ceil(x.amax(dim=-1, keepdim=True).clamp(min=2**-24) / 63).float()
+    return top, torch.round(x / top).clamp(0, 63).to(torch.uint8)
+
+
+def pack_q4_k(codes: Tensor, scale: Tensor, minus: Tensor) -> Tensor:
+    """4-bit codes [..., n] (n divisible by 256) with per-32 ``scale`` and ``minus`` (``w = scale * q - minus``,
+    ``minus >= 0``) [..., n / 32] -> Q4_K bytes [..., n / 256 * 144]. The codes are kept; each super-block's
+    eight scales and mins are rounded to 6-bit multiples of an fp16 step (the only change)."""
+    assert codes.shape[-1] % SUPER_BLOCK == 0, f"row length {codes.shape[-1]} is not a multiple of {SUPER_BLOCK}"
+    assert bool((minus >= 0).all()), "Q4_K subtracts its mins: every minus must be >= 0"
+    lead, nsb = codes.shape[:-1], codes.shape[-1] // SUPER_BLOCK
+    d, sc = _six_bits(scale.float().reshape(*lead, nsb, 8))  # [..., nsb, 1], [..., nsb, 8]
+    dmin, mn = _six_bits(minus.float().reshape(*lead, nsb, 8))
+    # 12 bytes: sc/mn 0-3 in the low 6 bits of bytes 0-3 / 4-7, whose top 2 bits hold bits 4-5 of sc/mn 4-7;
+    # bytes 8-11 hold the low 4 bits of sc 4-7 (low nibble) and mn 4-7 (high nibble)
+    packed = torch.cat([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                        (sc[..., 4:] & 0xF) | ((mn[..., 4:] & 0xF) << 4)], dim=-1)
+    # codes: [..., n] -> [..., nsb, 4 chunks, 2 sub-blocks, 32] -> low | high << 4 -> [..., nsb, 128]
+    q = codes.to(torch.uint8).reshape(*lead, nsb, 4, 2, BLOCK)
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*lead, nsb, 4 * BLOCK)
+    return _rows([_fp16_bytes(d[..., 0]), _fp16_bytes(dmin[..., 0]), packed, qs])
 
 
 def _inverse(d: Tensor) -> Tensor:

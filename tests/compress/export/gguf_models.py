@@ -30,13 +30,13 @@ def bpe_tokenizer():
     return hf
 
 
-def _dense(family: str):
+def _dense(family: str, hidden: int = 64):
     from transformers import AutoModelForCausalLM
 
     from .models import tiny_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, 64, vocab=VOCAB), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, hidden, vocab=VOCAB), dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.dim() == 2:
@@ -60,13 +60,13 @@ def _moe(family: str, scheme: Scheme):
     return model
 
 
-def build(folder: Path, family: str, scheme: Scheme, act_order: bool = False) -> Path:
+def build(folder: Path, family: str, scheme: Scheme, act_order: bool = False, hidden: int = 64) -> Path:
     """Quantize a tiny random ``family`` model by RTN (lm_head and routers stay fp) and save it."""
     from compress.checkpoint import build_quantization_config, save_quantized
 
     from .models import quantize_model
 
-    model = _moe(family, scheme) if family in MOE else _dense(family)
+    model = _moe(family, scheme) if family in MOE else _dense(family, hidden)
     model = quantize_model(model, scheme, act_order, skip=("lm_head", "gate", "shared_expert_gate"))
     qc = build_quantization_config(model, "rtn", scheme, act_order, extra={"recipe": "test", "source_model": family})
     return save_quantized(model, bpe_tokenizer(), folder, qc)

@@ -244,3 +244,21 @@ def test_act_order_folds_when_every_block_lies_in_one_group():
     assert why_not(s, 128, g_idx) is None and "--no-act-order" in why_not(s, 128, g_idx.roll(1))
     got = gguf.quants.dequantize(encode_exact(qw).data.numpy(), gguf.GGMLQuantizationType.Q4_0).reshape(6, 128)
     np.testing.assert_array_equal(got, qw.dequantize().numpy())
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_k_quants_keep_the_codes_where_widths_divide_by_256_and_fall_back_elsewhere(tmp_path, sym):
+    src = build(tmp_path / "q", "qwen2", Scheme(4, 32, sym), hidden=256)  # intermediate 128: down_proj falls back
+    reader = gguf.GGUFReader(_export(src, tmp_path / "m.gguf", k_quants=True))
+    f = _fields(reader)
+    assert _type(reader, "blk.0.attn_q.weight") == "Q4_K" and _type(reader, "blk.0.ffn_up.weight") == "Q4_K"
+    assert _type(reader, "blk.0.ffn_down.weight") == ("Q4_0" if sym else "Q4_1")
+    assert f["general.file_type"] == 14 and f["compress.lossless"] is False and f["compress.k_quants"] == 12
+    up = load_quantized(src).model.layers[0].mlp.up_proj
+    want = up.dequantized_weight().numpy()
+    got = _tensor(reader, "blk.0.ffn_up.weight")
+    # the codes are ours; only the 6-bit rounding moves the weights: half a 6-bit step of the scale per code
+    # step (15 at most) plus half a step of the min (at most 15 scales): 30/126 of the super-block's top scale
+    top = up.scales.float().reshape(up.out_features, -1, 8).amax(-1).repeat_interleave(256, dim=1).numpy()
+    assert (np.abs(got - want) <= top * (15 + 15) / 126 + 1e-6).all()
+    assert np.abs(got - want).mean() < 0.05 * np.abs(want).mean()

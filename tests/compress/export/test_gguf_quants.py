@@ -91,3 +91,24 @@ def test_packers_handle_stacked_expert_tensors():
 def test_row_length_must_be_whole_blocks():
     with pytest.raises(AssertionError, match="multiple of 32"):
         gq.requantize_q8_0(torch.zeros(2, 40))
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("kind", KINDS)
+def test_q4_k_keeps_the_codes_and_rounds_only_the_scales_to_6_bits(sym, kind):
+    s = Scheme(4, 32, sym=sym)
+    codes, scale, zero, ours = _ours(3, 512, kind, s)
+    minus = scale.float() * (s.sym_zero if zero is None else zero.float())  # w = scale * q - minus
+    data = gq.pack_q4_k(codes, scale, minus)
+    assert data.shape == (3, 2 * 144)
+    ref = torch.from_numpy(_reference(data, T.Q4_K, 512)).reshape(3, 2, 8, 32)
+    # the header's fp16 steps, and the 6-bit multiples our rule picks: gguf must read back exactly these
+    head = data.reshape(3, 2, 144)[..., :4].contiguous().view(torch.float16).float()  # [3, 2, 2]: d, dmin
+    d, dmin = head[..., :1], head[..., 1:]
+    sc = torch.round(scale.float().reshape(3, 2, 8) / d).clamp(0, 63)
+    mn = torch.round(minus.reshape(3, 2, 8) / dmin).clamp(0, 63)
+    want = (d * sc)[..., None] * codes.float().reshape(3, 2, 8, 32) - (dmin * mn)[..., None]
+    torch.testing.assert_close(ref, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    # so the change from our weights is the 6-bit rounding of scale and minus: at most half a step each
+    bound = (15 * d / 2 + dmin / 2)[..., None] * 1.0001
+    assert ((ref - ours.reshape(3, 2, 8, 32)).abs() <= bound).all()
