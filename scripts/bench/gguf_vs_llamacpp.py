@@ -7,13 +7,14 @@ For each recipe (quantized once with `compress quantize`, reused when its folder
   of the exported file: the two should agree within 0.5%;
 - `llama-quantize` of the same fp model (an F32 GGUF we export from the embedded SmolLM2) to Q4_0 and Q4_1
   (token embedding Q8_0, as ours), and with `--imatrix` to Q4_K_M, through the same llama-perplexity;
+- the --k-quants export (Q4_K with our codes) of the --k-quants recipes, beside llama-quantize's Q4_K_M;
 - export time, file sizes, and, with --speed, `llama-bench` of ours against llama-quantize's file of each type;
 - with --greedy, the first 32 greedy tokens of llama.cpp's `llama-simple` against `compress generate`.
 Note: SmolLM2's shipped weights are themselves Q4_1, so at Q4_1 any method re-finds the original grid.
 
   bash scripts/bench/llamacpp.sh          # once: builds llama-perplexity, llama-quantize, ... (minutes)
-  .venv/bin/python scripts/bench/gguf_vs_llamacpp.py [--recipes gptq4-q4_0,awq4-q4_1,qat4] [--chunks 64]
-      [--ctx 512] [--threads T] [--speed] [--greedy] [--work out/gguf-bench] [--json PATH]
+  .venv/bin/python scripts/bench/gguf_vs_llamacpp.py [--recipes gptq4-q4_0,awq4-q4_1,qat4] [--k-quants awq4-q4_1]
+      [--chunks 64] [--ctx 512] [--threads T] [--speed] [--greedy] [--work out/gguf-bench] [--json PATH]
 """
 from __future__ import annotations
 
@@ -90,14 +91,15 @@ def second_half_ppl(model_dir: Path, text: Path, ctx: int, chunks: int) -> float
     return math.exp(nll / count)
 
 
-def ours(recipe: str, work: Path) -> tuple[Path, Path, float]:
+def ours(recipe: str, work: Path, k_quants: bool = False) -> tuple[Path, Path, float]:
     """(checkpoint folder, exported GGUF, export seconds) for one recipe."""
     folder = work / f"smollm2-135m-{recipe}"
     if not (folder / "config.json").is_file():
         compress("quantize", "--recipe", recipe, "--out", str(folder), "--overwrite")
-    gguf = work / f"{recipe}.gguf"
+    gguf = work / f"{recipe}{'-k' if k_quants else ''}.gguf"
     t0 = time.perf_counter()
-    compress("export", str(folder), "--format", "gguf", "--out", str(gguf), "--embed-type", "q8_0", "--overwrite")
+    compress("export", str(folder), "--format", "gguf", "--out", str(gguf), "--embed-type", "q8_0", "--overwrite",
+             *(["--k-quants"] if k_quants else []))
     return folder, gguf, time.perf_counter() - t0
 
 
@@ -150,6 +152,7 @@ def speed(bin_dir: Path, a: Path, b: Path, threads: int) -> dict[str, float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipes", default="gptq4-q4_0,awq4-q4_1,qat4", help="comma-separated compress recipes")
+    ap.add_argument("--k-quants", default="awq4-q4_1", help="recipes also exported with --k-quants (Q4_K rows)")
     ap.add_argument("--text", default="wiki", help="held-out text source (compress.data), eval split")
     ap.add_argument("--calib", default="wiki", help="text for llama-imatrix (calib split)")
     ap.add_argument("--ctx", type=int, default=512)
@@ -180,9 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"model": f"llama-quantize {name}", "llama_ppl": llama_ppl(bin_dir, path, text, a.ctx, a.chunks,
                                                                                  a.threads),
                      "bytes": path.stat().st_size})
-    for recipe in a.recipes.split(","):
-        folder, gguf, seconds = ours(recipe, work)
-        row = {"model": f"compress {recipe}", "llama_ppl": llama_ppl(bin_dir, gguf, text, a.ctx, a.chunks, a.threads),
+    runs = [(r, False) for r in a.recipes.split(",")] + [(r, True) for r in a.k_quants.split(",") if r]
+    for recipe, k_quants in runs:
+        folder, gguf, seconds = ours(recipe, work, k_quants)
+        row = {"model": f"compress {recipe}{' --k-quants' if k_quants else ''}", "llama_ppl": llama_ppl(bin_dir, gguf, text, a.ctx, a.chunks, a.threads),
                "compress_ppl": second_half_ppl(folder, text, a.ctx, a.chunks), "bytes": gguf.stat().st_size,
                "export_s": seconds}
         row["ppl_gap_pct"] = 100 * (row["llama_ppl"] / row["compress_ppl"] - 1)
