@@ -58,13 +58,16 @@ def held_out_text(path: Path, source: str) -> Path:
     return path
 
 
-def llama_ppl(bin_dir: Path, gguf: Path, text: Path, ctx: int, chunks: int, threads: int) -> float:
-    out = run([bin_dir / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "--chunks", chunks, "-t", threads,
-               "-b", ctx])
-    found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
-    if not found:
-        raise RuntimeError(f"llama-perplexity printed no final estimate for {gguf}")
-    return float(found.group(1))
+def llama_ppl(bin_dir: Path, gguf: Path, text: Path, ctx: int, chunks: int, threads: int, tries: int = 3) -> float:
+    """llama-perplexity's final estimate; a run whose log stops early (its log thread can exit before writing the
+    last lines, with status 0) is repeated."""
+    for _ in range(tries):
+        out = run([bin_dir / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "--chunks", chunks, "-t", threads,
+                   "-b", ctx])
+        found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+        if found:
+            return float(found.group(1))
+    raise RuntimeError(f"llama-perplexity printed no final estimate for {gguf} in {tries} runs")
 
 
 def second_half_ppl(model_dir: Path, text: Path, ctx: int, chunks: int) -> float:

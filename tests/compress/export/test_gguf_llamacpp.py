@@ -1,0 +1,76 @@
+"""llama.cpp itself runs our GGUF exports: `llama-perplexity` on a tiny exported model gives the checkpoint's
+perplexity (same text, same windows), per family. Skipped without a llama.cpp build (scripts/bench/llamacpp.sh).
+
+The tolerance is loose (2%) because llama.cpp rounds activations to 8 bits for its quantized dot products and
+these random models are peaked (perplexity ~1000 over 300 tokens), which amplifies any difference; a missing
+q/k row interleave (Llama) or Gemma's missing ``1 + w`` moves the perplexity by 17% and 80%.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from compress.export.dispatch import export
+from compress.export.gguf import GGUFOptions
+from compress.models import load_model
+from compress.quant import Scheme
+
+from .gguf_models import build
+
+CTX, CHUNKS = 64, 4
+
+
+def _llama_perplexity() -> Path | None:
+    if os.environ.get("LLAMACPP_BIN"):
+        exe = Path(os.environ["LLAMACPP_BIN"]) / "llama-perplexity"
+        return exe if exe.is_file() else None
+    cache = Path(os.environ.get("COMPRESS_CACHE") or Path.home() / ".cache" / "compress")
+    return next(iter(sorted(cache.glob("llama.cpp-*/bin/llama-perplexity"))), None)
+
+
+EXE = _llama_perplexity()
+pytestmark = pytest.mark.skipif(EXE is None, reason="no llama.cpp build: bash scripts/bench/llamacpp.sh")
+
+
+def _torch_ppl(folder: Path, text: str) -> float:
+    """llama-perplexity's protocol: windows of CTX tokens, logits at CTX/2..CTX-2 score the next token."""
+    model, tok, _ = load_model(str(folder))
+    ids = torch.tensor(tok(text).input_ids)
+    n = min(CHUNKS, ids.numel() // CTX)
+    windows = ids[: n * CTX].view(n, CTX)
+    with torch.no_grad():
+        logp = model(input_ids=windows).logits.float().log_softmax(-1)
+    first = CTX // 2
+    nll = -logp[:, first:CTX - 1].gather(-1, windows[:, first + 1:, None]).sum().item()
+    return math.exp(nll / (n * (CTX - 1 - first)))
+
+
+@pytest.mark.parametrize("family,bits,sym", [
+    ("llama", 4, True), ("llama", 4, False), ("llama", 8, True), ("mistral", 4, True), ("qwen2", 4, False),
+    ("gemma", 4, True), ("qwen2_moe", 4, True), ("mixtral", 4, False), ("qwen3_moe", 4, True),
+])
+def test_llama_perplexity_matches_the_checkpoint(tmp_path, monkeypatch, family, bits, sym):
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
+    src = build(tmp_path / "q", family, Scheme(bits, 32, sym))
+    path = export(str(src), "gguf", tmp_path / "m.gguf", options=GGUFOptions(embed_type="f32"))
+    text = "the quick brown fox jumps over the lazy dog, hello world. " * 60
+    (tmp_path / "t.txt").write_text(text)
+    assert _llama_ppl(path, tmp_path / "t.txt") == pytest.approx(_torch_ppl(src, text), rel=0.02)
+
+
+def _llama_ppl(gguf: Path, text: Path, tries: int = 3) -> float:
+    """llama-perplexity's final estimate. Its log thread now and then exits before writing its last lines
+    (exit status 0, output cut after a chunk): such a run is repeated."""
+    for _ in range(tries):
+        r = subprocess.run([str(EXE), "-m", str(gguf), "-f", str(text), "-c", str(CTX), "-b", str(CTX),
+                            "--chunks", str(CHUNKS), "-t", "1"], capture_output=True, text=True, timeout=120, check=True)
+        found = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
+        if found:
+            return float(found.group(1))
+    raise AssertionError(f"no final estimate in {tries} runs: {(r.stdout + r.stderr)[-2000:]}")
