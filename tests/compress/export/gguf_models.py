@@ -8,7 +8,7 @@ import torch
 from compress.quant import Scheme
 
 VOCAB = 300  # the tokenizer fills 290 ids: the last 10 rows exercise GGUF's [PAD] tokens
-DENSE = ("llama", "mistral", "qwen2", "gemma")
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
 
@@ -33,8 +33,10 @@ def bpe_tokenizer():
 def _dense(family: str, hidden: int = 64):
     from transformers import AutoModelForCausalLM
 
-    from .models import tiny_config
+    from .models import FAMILIES, tiny_config
 
+    if family not in FAMILIES:  # qwen3: the shared tiny configs of tests/tiny_models.py
+        from tiny_models import tiny_config
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(family, hidden, vocab=VOCAB), dtype=torch.float32)
     with torch.no_grad():

@@ -16,7 +16,7 @@ from compress.quant import Scheme
 from .gguf_models import CHAT_TEMPLATE, DENSE, MOE, VOCAB, build, rope_interleave
 
 gguf = pytest.importorskip("gguf")
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma": "gemma", "mixtral": "llama",
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "mixtral": "llama",
         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 ROPE_PERMUTED = ("llama", "mistral", "mixtral")  # llama.cpp runs these with NORM rope
 
@@ -121,8 +121,8 @@ def test_metadata_tokenizer_and_tensors_read_back(checkpoint, family, tmp_path):
         assert "blk.0.attn_q.bias" in names
     if family == "qwen2_moe":
         assert _tensor(reader, "blk.0.ffn_gate_inp_shexp.weight").shape == (cfg.hidden_size,)
-    if family == "qwen3_moe":
-        assert "blk.0.attn_q_norm.weight" in names
+    if family in ("qwen3", "qwen3_moe"):
+        assert "blk.0.attn_q_norm.weight" in names and "blk.0.attn_k_norm.weight" in names
 
 
 @pytest.mark.parametrize("bits,sym,group,qtype", [(4, False, 32, "Q4_1"), (8, True, 32, "Q8_0"), (4, True, 64, "Q4_0"),

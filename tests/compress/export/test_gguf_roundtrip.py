@@ -28,7 +28,8 @@ def _logits(model, ids):
         return model(ids).logits
 
 
-# transformers reads llama and qwen2 GGUFs (not gemma; its qwen2moe/qwen3moe config omits the expert widths)
+# transformers reads llama and qwen2 GGUFs (not gemma; its qwen3 config ignores key_length, so only Qwen3's default
+# head_dim of 128 loads; its qwen2moe/qwen3moe configs omit the expert widths): llama.cpp itself checks the rest
 @pytest.mark.parametrize("family,sym", [("llama", True), ("llama", False), ("qwen2", True)])
 def test_transformers_loads_the_gguf_with_the_checkpoints_logits(tmp_path, family, sym):
     src = build(tmp_path / "q", family, Scheme(4, 32, sym))
