@@ -41,8 +41,8 @@ def _dense(family: str, hidden: int = 64):
     model = AutoModelForCausalLM.from_config(tiny_config(family, hidden, vocab=VOCAB), dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
+            if p.dim() == 2:  # wide enough for non-trivial rounding, scaled so logits stay as peaked at any width
+                p.normal_(0, 0.2 * (64 / hidden) ** 0.5)
             elif "norm" in n:
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()

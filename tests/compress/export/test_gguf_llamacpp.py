@@ -74,3 +74,15 @@ def _llama_ppl(gguf: Path, text: Path, tries: int = 3) -> float:
         if found:
             return float(found.group(1))
     raise AssertionError(f"no final estimate in {tries} runs: {(r.stdout + r.stderr)[-2000:]}")
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_llama_cpp_runs_k_quant_exports_as_transformers_reads_them(tmp_path, monkeypatch, sym):
+    """Q4_K is not exactly our weights (6-bit scales), so the reference is the file itself, dequantized by
+    transformers' GGUF loader."""
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
+    src = build(tmp_path / "q", "qwen2", Scheme(4, 32, sym), hidden=256)
+    path = export(str(src), "gguf", tmp_path / "m.gguf", options=GGUFOptions(embed_type="f32", k_quants=True))
+    text = "the quick brown fox jumps over the lazy dog, hello world. " * 60
+    (tmp_path / "t.txt").write_text(text)
+    assert _llama_ppl(path, tmp_path / "t.txt") == pytest.approx(_torch_ppl(path, text), rel=0.02)
