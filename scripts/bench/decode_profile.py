@@ -1,5 +1,6 @@
 """Where one batch-1 decode step goes: torch profiler over decode steps, self CPU time grouped by kind, for the
-torch reference path and the fused CPU path side by side (same checkpoint, same prompts).
+torch reference path and the fused CPU path side by side (same checkpoint, same prompts), the int4 linears with
+bf16 activations (aten's int4pack) and with int8 activations (the W8A8 VNNI kernel, where the CPU has it).
 
   .venv/bin/python scripts/bench/decode_profile.py out/smollm2-135m-awq4 [--steps 32]
 
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 GROUPS = [  # (label, substrings of op names), first match wins
-    ("int4/int8 matmuls", ("int4pack", "int8pack", "int8_linear")),
+    ("int4/int8 matmuls", ("int4pack", "int8pack", "int8_linear", "w8a8_linear")),
     ("bf16 GEMM (oneDNN, F.linear)", ("mkldnn", "aten::mm", "aten::addmm", "aten::linear")),
     ("attention", ("attention", "index_select", "index_copy")),
     ("norms, rotary, activations", ("rms_norm", "rope", "act_mul", "silu", "roll", "aten::mul", "aten::add", "aten::pow",
@@ -23,17 +24,23 @@ GROUPS = [  # (label, substrings of op names), first match wins
 ]
 
 
-def profile(model: str, fused: bool, lm_head: str, steps: int) -> tuple[dict[str, float], float]:
+def profile(model: str, fused: bool, lm_head: str, int8_act: bool, steps: int) -> tuple[dict[str, float], float]:
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from runtime.config import EngineConfig
     from runtime.engine import Engine
+    from runtime.kernels import w8a8
     from runtime.sequence import SamplingParams
+
+    vnni = w8a8.available
+    if not int8_act:
+        w8a8.available = lambda: False  # the path a CPU without VNNI runs
 
     rng = random.Random(0)
     engine = Engine(EngineConfig(model=model, max_num_seqs=1, kv_cache_memory=1 << 28, lm_head=lm_head,
                                  fused_cpu_kernels=fused))
+    w8a8.available = vnni
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
     engine.add_request([rng.randrange(1000, 40000) for _ in range(128)], params)
     for _ in range(4):
@@ -61,9 +68,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=32)
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    runs = [("torch ops, fp head", False, "fp"), ("fused, fp head", True, "fp"), ("fused, int8 head", True, "int8"),
-            ("fused, int4 head", True, "int4")]
-    results = [(name, *profile(a.model, fused, head, a.steps)) for name, fused, head in runs]
+    runs = [("torch ops, fp head", False, "fp", False),
+            ("fused, int8 head, bf16 activations (int4pack)", True, "int8", False),
+            ("fused, int8 head, int8 activations (w8a8)", True, "int8", True),
+            ("fused, int4 head, int8 activations (w8a8)", True, "int4", True)]
+    results = [(name, *profile(a.model, fused, head, act, a.steps)) for name, fused, head, act in runs]
     print(f"{a.model}: one decode step at batch 1 (context ~140 tokens), {a.steps} steps")
     print("| path | step ms (wall) | " + " | ".join(results[0][1]) + " |")
     print("|---|---:|" + "---:|" * len(results[0][1]))

@@ -111,6 +111,26 @@ def test_paged_decode_attention(dtype, seq_lens, hq, hkv, block_size, window):
     _close(out, ref, dtype, ulps=4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens,hq,hkv,d,window", [
+    ([2000], 9, 3, 64, None),  # one long sequence: its keys split across threads, chunks merged
+    ([700, 3, 1300], 4, 1, 24, None),  # split and whole sequences in one call, D not a multiple of 16
+    ([1500], 8, 2, 32, 900),  # a window, split
+])
+def test_paged_decode_attention_splits_long_sequences(dtype, seq_lens, hq, hkv, d, window):
+    q, kc, vc, meta = _paged(seq_lens, hq, hkv, d, 16, dtype, num_blocks=256)
+    ref = decode_attention(q, kc, vc, meta, 0.2, window)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):  # inline and split: the same result
+            torch.set_num_threads(n)
+            out = torch.ops.compress_cpu.paged_decode_attention(q, kc, vc, meta.decode_block_tables,
+                                                                meta.decode_seq_lens, 0.2, window or 0)
+            _close(out, ref, dtype, ulps=4)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_fused_paged_attention_writes_then_attends():
     """The model-facing entry point stores the new keys first (the query sees its own key)."""
     q, kc, vc, meta = _paged([9, 20], 4, 2, 16, 8, torch.float32, seed=5)

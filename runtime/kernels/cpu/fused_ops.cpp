@@ -195,96 +195,6 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
   });
 }
 
-// One new query per sequence over its paged keys (plain decoding): q [B, Hq, D], caches
-// [num_blocks, block_size, Hkv, D], block_tables [B, W] int32, seq_lens [B] int32 (keys 0..len-1, the
-// query's own included). window > 0 keeps the last `window` keys. Softmax in fp32, two passes.
-template <typename T>
-void decode_attention_kernel(const T* q, int64_t q_row, int64_t q_head, const T* kc, const T* vc,
-                             const int32_t* tables, const int32_t* lens, T* out, int64_t b_count, int64_t hq,
-                             int64_t hkv, int64_t d, int64_t block_size, int64_t width, float scale, int64_t window) {
-  const int64_t group = hq / hkv;
-  at::parallel_for(0, b_count * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), scores;
-    std::vector<int64_t> rows;  // element offset of each key's head-h row in the cache
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / hkv, h = bh % hkv;
-      const int64_t len = lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - start;
-      scores.assign(group * n, 0.f);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = ld(q, b * q_row + (h * group + g) * q_head + i);
-      const int32_t* table = tables + b * width;
-      rows.resize(n);  // walk the block table once: no integer division per key
-      for (int64_t blk = start / block_size, j = 0; j < n; ++blk) {
-        const int64_t base = static_cast<int64_t>(table[blk]) * block_size;
-        for (int64_t t = (j == 0 ? start % block_size : 0); t < block_size && j < n; ++t, ++j)
-          rows[j] = ((base + t) * hkv + h) * d;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const T* kp = kc + rows[j];
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * d;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < d; ++i) dot += qg[i] * ld(kp, i);
-          scores[g * n + j] = dot * scale;
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        const float m = *std::max_element(s, s + n);
-        float sum = 0.f;
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) s[j] = vexp(s[j] - m);
-        for (int64_t j = 0; j < n; ++j) sum += s[j];
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const T* vp = vc + rows[j];
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + j];
-          float* a = acc.data() + g * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) a[i] += p * ld(vp, i);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i) st(out, (b * hq + h * group + g) * d + i, acc[g * d + i]);
-    }
-  });
-}
-
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t window) {
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "q must be a CPU [B, Hq, D] tensor, "
-              "contiguous in D");
-  check_cpu(k_cache, "k_cache");
-  check_cpu(v_cache, "v_cache");
-  check_cpu(block_tables, "block_tables");
-  check_cpu(seq_lens, "seq_lens");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [blocks, block, Hkv, D]");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "block_tables and seq_lens must be int32");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
-  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "head_dim or head counts do not match the cache");
-  TORCH_CHECK(block_tables.size(0) == b && seq_lens.numel() == b, "one table row and length per sequence");
-  auto out = at::empty({b, hq, d}, q.options());
-  if (b == 0) return out;
-  DISPATCH_F32_BF16(q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
-                                      v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
-                                      seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), b, hq, hkv, d,
-                                      k_cache.size(1), block_tables.size(1), static_cast<float>(scale), window);
-  });
-  return out;
-}
-
 // k_cache/v_cache [blocks, block, Hkv, D] rows at `slots` [T] (int64) <- k, v [T, Hkv, D] (each token's Hkv x D
 // contiguous, as slices of the fused qkv projection are): one call for both stores
 void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
@@ -323,6 +233,4 @@ TORCH_LIBRARY(compress_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor", &int8_linear);
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()", &rope_);
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()", &write_kv_);
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, int window) -> Tensor", &paged_decode_attention);
 }
