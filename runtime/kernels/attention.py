@@ -201,7 +201,7 @@ def triton_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_c
 def fused_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                           scale: float, window: int | None = None) -> Tensor:
     """The same contract on CPU with plain-decoding queries (one per sequence) in the fused kernel
-    (runtime/kernels/cpu/fused_ops.cpp: one call per layer, reading keys through the block tables in place)."""
+    (runtime/kernels/cpu/decode_attention.cpp: one call per layer, reading keys through the block tables in place)."""
     torch.ops.compress_cpu.write_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
     p, outs = meta.num_prefill_tokens, []
     if p:

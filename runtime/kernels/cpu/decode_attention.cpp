@@ -27,6 +27,7 @@ using namespace compress_cpu;
 
 constexpr int64_t kChunkKeys = 128;        // the fewest keys a split of a long sequence gets
 constexpr int64_t kInlineWork = 1 << 18;   // fewer query-head x key x dim products than this: one thread
+constexpr int64_t kAhead = 16;             // keys prefetched ahead
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -59,8 +60,8 @@ inline void axpy(float p, const T* v, float* acc, int64_t d) {  // acc += p * v
   for (; i < d; ++i) acc[i] += p * ld(v, i);
 }
 
-struct Unit {  // keys [j0, j1) of sequence b's window, for KV head h
-  int64_t b, h, j0, j1;
+struct Unit {  // keys [j0, j1) of sequence b's window, all heads
+  int64_t b, j0, j1;
   bool whole;  // the unit is the sequence's whole window: its probabilities are final
 };
 
@@ -72,28 +73,43 @@ struct Problem {
   int64_t start(int64_t b) const { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; }
 };
 
-// One unit's softmax statistics and value sum: stats = [max (group), sum (group), acc (group x d)]
+// One unit's softmax statistics and value sums, per query head: stats = [max (Hq), sum (Hq), acc (Hq x D)].
+// A key's heads sit side by side in the cache ([.., block, Hkv, D]), so every head is done in one pass over
+// the unit's keys: each token's row is read once, whole, and the reads stream.
 template <typename T>
 void attend(const Unit& u, const Problem& p, const T* q, const T* kc, const T* vc, float* stats,
             std::vector<float>& qf, std::vector<float>& scores, std::vector<int64_t>& rows) {
-  const int64_t group = p.hq / p.hkv, d = p.d, n = u.j1 - u.j0;
-  float *mx = stats, *sum = stats + group, *acc = stats + 2 * group;
-  qf.resize(group * d);
-  scores.resize(group * n);
+  const int64_t hq = p.hq, group = hq / p.hkv, d = p.d, n = u.j1 - u.j0;
+  float *mx = stats, *sum = stats + hq, *acc = stats + 2 * hq;
+  qf.resize(hq * d);
+  scores.resize(hq * n);
   rows.resize(n);
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < d; ++i) qf[g * d + i] = ld(q, u.b * p.q_row + (u.h * group + g) * p.q_head + i);
+  for (int64_t h = 0; h < hq; ++h)
+    for (int64_t i = 0; i < d; ++i) qf[h * d + i] = ld(q, u.b * p.q_row + h * p.q_head + i);
   const int32_t* table = p.tables + u.b * p.width;
   const int64_t first = p.start(u.b) + u.j0;  // walk the block table once: no integer division per key
   for (int64_t blk = first / p.block_size, j = 0; j < n; ++blk) {
     const int64_t base = static_cast<int64_t>(table[blk]) * p.block_size;
     for (int64_t t = (j == 0 ? first % p.block_size : 0); t < p.block_size && j < n; ++t, ++j)
-      rows[j] = ((base + t) * p.hkv + u.h) * d;
+      rows[j] = (base + t) * p.hkv * d;
   }
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t g = 0; g < group; ++g) scores[g * n + j] = dot(qf.data() + g * d, kc + rows[j], d) * p.scale;
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * n;
+  // blocks sit anywhere and are usually cold (the other layers' weights went through the caches since):
+  // fetch keys and values a few tokens ahead
+  const int64_t row_bytes = p.hkv * d * static_cast<int64_t>(sizeof(T));
+  auto fetch = [&](int64_t j) {
+    for (int64_t o = 0; o < row_bytes; o += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kc + rows[j]) + o);
+      __builtin_prefetch(reinterpret_cast<const char*>(vc + rows[j]) + o);
+    }
+  };
+  for (int64_t j = 0; j < std::min(kAhead, n); ++j) fetch(j);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kAhead < n) fetch(j + kAhead);
+    for (int64_t h = 0; h < hq; ++h)
+      scores[h * n + j] = dot(qf.data() + h * d, kc + rows[j] + (h / group) * d, d) * p.scale;
+  }
+  for (int64_t h = 0; h < hq; ++h) {
+    float* s = scores.data() + h * n;
     const float m = *std::max_element(s, s + n);
     float total = 0.f;
 #pragma omp simd
@@ -104,35 +120,32 @@ void attend(const Unit& u, const Problem& p, const T* q, const T* kc, const T* v
       for (int64_t j = 0; j < n; ++j) s[j] *= inv;
       total = 1.f;
     }
-    mx[g] = m;
-    sum[g] = total;
+    mx[h] = m;
+    sum[h] = total;
   }
-  std::fill(acc, acc + group * d, 0.f);
+  std::fill(acc, acc + hq * d, 0.f);
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + j], vc + rows[j], acc + g * d, d);
+    for (int64_t h = 0; h < hq; ++h) axpy(scores[h * n + j], vc + rows[j] + (h / group) * d, acc + h * d, d);
 }
 
 template <typename T>
 void decode_attention_kernel(const Problem& p, const T* q, const T* kc, const T* vc, T* out, int64_t b_count) {
-  const int64_t group = p.hq / p.hkv, d = p.d, stride = group * (d + 2);
+  const int64_t hq = p.hq, d = p.d, stride = hq * (d + 2);
   int64_t work = 0;
-  for (int64_t b = 0; b < b_count; ++b) work += (p.lens[b] - p.start(b)) * p.hq * d;
+  for (int64_t b = 0; b < b_count; ++b) work += (p.lens[b] - p.start(b)) * hq * d;
   const int64_t threads = at::get_num_threads();
   const bool inline_ = work < kInlineWork || threads == 1;
   std::vector<Unit> units;
-  std::vector<int64_t> first(b_count * p.hkv + 1, 0);  // units of (b, h) are [first[bh], first[bh + 1])
+  std::vector<int64_t> first(b_count + 1, 0);  // units of sequence b are [first[b], first[b + 1])
   for (int64_t b = 0; b < b_count; ++b) {
     const int64_t n = p.lens[b] - p.start(b);
     int64_t splits = 1;
-    if (!inline_) {
-      const int64_t wanted = (2 * threads + b_count * p.hkv - 1) / (b_count * p.hkv);
+    if (!inline_) {  // enough units for every thread, none shorter than kChunkKeys
+      const int64_t wanted = (2 * threads + b_count - 1) / b_count;
       splits = std::max<int64_t>(1, std::min(wanted, n / kChunkKeys));
     }
-    for (int64_t h = 0; h < p.hkv; ++h) {
-      for (int64_t s = 0; s < splits; ++s)
-        units.push_back({b, h, n * s / splits, n * (s + 1) / splits, splits == 1});
-      first[b * p.hkv + h + 1] = static_cast<int64_t>(units.size());
-    }
+    for (int64_t s = 0; s < splits; ++s) units.push_back({b, n * s / splits, n * (s + 1) / splits, splits == 1});
+    first[b + 1] = static_cast<int64_t>(units.size());
   }
   std::vector<float> stats(units.size() * stride);
   const int64_t n_units = static_cast<int64_t>(units.size());
@@ -141,21 +154,21 @@ void decode_attention_kernel(const Problem& p, const T* q, const T* kc, const T*
     std::vector<int64_t> rows;
     for (int64_t i = begin; i < end; ++i) attend(units[i], p, q, kc, vc, stats.data() + i * stride, qf, scores, rows);
   });
-  for (int64_t bh = 0; bh < b_count * p.hkv; ++bh) {  // merge the chunks of each (sequence, KV head)
-    const int64_t b = bh / p.hkv, h = bh % p.hkv, u0 = first[bh], u1 = first[bh + 1];
-    for (int64_t g = 0; g < group; ++g) {
+  float o[1024];  // d <= 1024 (checked)
+  for (int64_t b = 0; b < b_count; ++b) {  // merge the chunks of each sequence
+    const int64_t u0 = first[b], u1 = first[b + 1];
+    for (int64_t h = 0; h < hq; ++h) {
       float m = -INFINITY, total = 0.f;
-      for (int64_t u = u0; u < u1; ++u) m = std::max(m, stats[u * stride + g]);
-      float o[1024];  // d <= 1024 (checked)
+      for (int64_t u = u0; u < u1; ++u) m = std::max(m, stats[u * stride + h]);
       std::fill(o, o + d, 0.f);
       for (int64_t u = u0; u < u1; ++u) {
         const float* st_u = stats.data() + u * stride;
-        const float w = u1 - u0 == 1 ? 1.f : vexp(st_u[g] - m);
-        total += w * st_u[group + g];
-        axpy(w, st_u + 2 * group + g * d, o, d);
+        const float w = u1 - u0 == 1 ? 1.f : vexp(st_u[h] - m);
+        total += w * st_u[hq + h];
+        axpy(w, st_u + 2 * hq + h * d, o, d);
       }
       const float inv = u1 - u0 == 1 ? 1.f : 1.f / total;
-      for (int64_t i = 0; i < d; ++i) st(out, (b * p.hq + h * group + g) * d + i, o[i] * inv);
+      for (int64_t i = 0; i < d; ++i) st(out, (b * hq + h) * d + i, o[i] * inv);
     }
   }
 }
