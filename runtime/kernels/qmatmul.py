@@ -251,9 +251,10 @@ class HybridLinear(nn.Module):
         self.small, self.large, self.max_rows = small, large, max_rows
         self.in_features, self.out_features = small.in_features, small.out_features
         self.path = f"{small.path}+{large.path}"
+        self._forwards = (small.forward, large.forward)  # plain attributes: no nn.Module lookup per call
 
     def forward(self, x: Tensor) -> Tensor:
-        return (self.small if x.numel() // self.in_features <= self.max_rows else self.large)(x)
+        return self._forwards[x.numel() // self.in_features > self.max_rows](x)
 
 
 @functools.cache

@@ -94,8 +94,11 @@ def test_auto_routes_small_calls_to_the_packed_kernel_and_large_ones_to_bf16(sch
         ref = ql(x)
         assert (kernel(x) - ref).norm() / ref.norm() < 1e-2
     calls = []
-    kernel.small.register_forward_hook(lambda *a: calls.append("small"))
-    kernel.large.register_forward_hook(lambda *a: calls.append("large"))
+
+    def spy(name, forward):
+        return lambda x: calls.append(name) or forward(x)
+
+    kernel._forwards = (spy("small", kernel._forwards[0]), spy("large", kernel._forwards[1]))  # called directly
     kernel(torch.randn(1, 256))
     kernel(torch.randn(2, 40, 256))
     assert calls == ["small", "large"]
