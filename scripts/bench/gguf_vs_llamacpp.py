@@ -59,12 +59,15 @@ def held_out_text(path: Path, source: str) -> Path:
 
 
 def llama_ppl(bin_dir: Path, gguf: Path, text: Path, ctx: int, chunks: int, threads: int, tries: int = 3) -> float:
-    """llama-perplexity's final estimate; a run whose log stops early (its log thread can exit before writing the
-    last lines, with status 0) is repeated."""
+    """llama-perplexity's final estimate. Its log thread can exit before writing the last lines (status 0): the
+    running estimate printed after the last chunk is the same number; a run cut before that is repeated."""
     for _ in range(tries):
         out = run([bin_dir / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "--chunks", chunks, "-t", threads,
                    "-b", ctx])
-        found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+        log = out.stdout + out.stderr
+        found = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
+        n = re.search(r"perplexity over (\d+) chunks", log)
+        found = found or (n and re.search(rf"\[{n.group(1)}\]([0-9.]+)", log))
         if found:
             return float(found.group(1))
     raise RuntimeError(f"llama-perplexity printed no final estimate for {gguf} in {tries} runs")
