@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp's bench tools (llama-bench, llama-batched-bench, llama-perplexity, llama-quantize,
-# llama-imatrix) from the llama.cpp source vendored in the llama-cpp-python sdist, once, and cache them
-# outside the repository. Prints the folder holding the binaries; re-running with them present builds nothing.
+# llama-imatrix, llama-simple for greedy parity) from the llama.cpp source vendored in the llama-cpp-python
+# sdist, once, and cache them outside the repository. Prints the folder holding the binaries; re-running
+# with them present builds nothing.
 #
 #   bash scripts/bench/llamacpp.sh            # -> ~/.cache/compress/llama.cpp-0.3.36/bin
 #   LLAMACPP_VERSION=0.3.36 COMPRESS_CACHE=/somewhere bash scripts/bench/llamacpp.sh
@@ -11,7 +12,7 @@
 set -euo pipefail
 version=${LLAMACPP_VERSION:-0.3.36}
 cache=${COMPRESS_CACHE:-$HOME/.cache/compress}/llama.cpp-$version
-targets=(llama-bench llama-batched-bench llama-perplexity llama-quantize llama-imatrix)
+targets=(llama-bench llama-batched-bench llama-perplexity llama-quantize llama-imatrix llama-simple)
 python=${PYTHON:-python3}
 
 have_all() { for t in "${targets[@]}"; do [ -x "$cache/bin/$t" ] || return 1; done; }
