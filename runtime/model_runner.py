@@ -57,8 +57,8 @@ class ModelRunner:
         self.kernel_paths.update(prepare_experts(self.model, quant_kernel, self.device.type))
         self.lm_head_kind = self._prepare_head(lm_head, ckpt.quantized, fused)
         self.num_prepacked = 0
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            self.num_prepacked = qmatmul.pack_dense_linears(self.model)
+        if self.device.type == "cpu":
+            self.num_prepacked = qmatmul.pack_dense_linears(self.model, self.dtype, fused)
         self.model.to(self.device)
         cfg = self.config
         shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
