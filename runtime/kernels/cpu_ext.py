@@ -1,10 +1,11 @@
 """Builds runtime/kernels/cpu/*.cpp once per machine and loads it as ``torch.ops.compress_cpu``.
 
-The build is a single ``c++`` call (all sources into one library) against torch's headers (no ninja, no setuptools), cached under
-``$COMPRESS_CACHE`` (default ``~/.cache/compress``) in a folder keyed by the source, torch's version, the
-CPU model and the flags, written to a temporary name and renamed into place. ``-march=native`` makes the
-library this CPU's, hence the CPU in the key. Without a compiler, or if the build or the load fails, the
-runtime keeps the torch path and says so in one log line; ``COMPRESS_FUSED_CPU=0`` turns the kernels off.
+The build is a single ``c++`` call (all sources into one library) against torch's headers (no ninja, no
+setuptools), cached under ``$COMPRESS_CACHE`` (default ``~/.cache/compress``) in a folder keyed by the
+sources, torch's version, the CPU model and the flags, written to a temporary name and renamed into place.
+``-march=native`` makes the library this CPU's, hence the CPU in the key. Without a compiler, or if the build
+or the load fails, the runtime keeps the torch path and says so in one log line; ``COMPRESS_FUSED_CPU=0``
+turns the kernels off.
 """
 from __future__ import annotations
 

@@ -272,15 +272,16 @@ def mkldnn_bf16_available() -> bool:
 def pack_dense_linears(model: nn.Module, dtype: torch.dtype, fused: bool = False) -> int:
     """Swap every plain ``nn.Linear`` for its CPU kernel: bf16 -> ``MkldnnLinear``, fp32 with the fused
     kernels loaded -> ``GemvLinear`` (runtime/kernels/fp_gemv.py); returns how many."""
-    if dtype == torch.bfloat16 and not mkldnn_bf16_available():
-        log.info("prepacked bf16 linears unavailable here; using F.linear")
-        return 0
-    if dtype == torch.float32 and not fused or dtype not in (torch.bfloat16, torch.float32):
+    kernel_type = {torch.bfloat16: MkldnnLinear if mkldnn_bf16_available() else None,
+                   torch.float32: GemvLinear if fused else None}.get(dtype)
+    if kernel_type is None:
+        if dtype == torch.bfloat16:
+            log.info("prepacked bf16 linears unavailable here; using F.linear")
         return 0
     n = 0
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and module.weight.dtype == dtype:
-            kernel = (MkldnnLinear if dtype == torch.bfloat16 else GemvLinear)(module.weight, module.bias)
+            kernel = kernel_type(module.weight, module.bias)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, kernel)
             n += 1

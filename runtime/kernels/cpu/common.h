@@ -1,4 +1,4 @@
-// Helpers the CPU kernels share (fused_ops.cpp, qgemv.cpp): bf16 element access, dispatch, input checks.
+// Helpers the CPU kernels in this folder share: bf16 element access, dispatch, exp, input checks.
 #pragma once
 #include <ATen/ATen.h>
 
