@@ -15,6 +15,7 @@ ROUNDINGS = ("rtn", "gptq")  # awq's final rounding
 TRAIN_DTYPES = ("bfloat16", "float32")
 KV_INITS = ("mean", "pca")  # compress/gqa.py
 UPTRAIN_SCOPES = ("blocks", "attn")  # compress/gqa.py: uptraining moves whole decoder blocks, or attention only
+ROTATIONS = ("none", "hadamard")  # compress/rotate.py: a randomized Hadamard folded into the weights
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
@@ -48,6 +49,10 @@ class QuantizeConfig:
     clip_tokens: int = 512  # token rows of each linear's input that judge its clipping range
     clip_grid: int = 20  # clipping shrink factors are tried in steps of 1 / clip_grid, down to 0.5
     rounding: str = "rtn"  # awq: round the smoothed, clipped weights by rtn (AutoAWQ) or gptq (the gptq fields)
+    # before any method: fold the norms and rotate the residual stream and each value head (compress/rotate.py)
+    rotate: str = "none"
+    # pick each group's range by the activation-weighted rounding error (gptq's grid, awq's rtn rounding)
+    weighted_range: bool = False
     # fp linears kept as they are (regular expressions on module names)
     ignore: tuple[str, ...] = ("lm_head",)
     # qat: start from a PTQ result (init), then distil the fp model for `steps` (weights at lr, scales at scale_lr)
@@ -85,6 +90,13 @@ class QuantizeConfig:
         if self.rounding != "rtn" and self.method != "awq":
             raise ValueError(f"rounding={self.rounding!r} applies to method awq only, not {self.method!r}")
         gptq_rounding = self.method == "gptq" or self.rounding == "gptq"
+        if self.rotate not in ROTATIONS:
+            raise ValueError(f"rotate={self.rotate!r} is unknown; use one of {ROTATIONS}")
+        if self.weighted_range and self.method not in ("gptq", "awq", "qat"):
+            raise ValueError(f"weighted_range needs calibration statistics: it applies to gptq, awq and qat, not "
+                             f"{self.method!r} (for a weighted RTN use method: awq with grid: 1 and clip: false)")
+        if self.weighted_range and self.mse:
+            raise ValueError("weighted_range and mse both pick gptq's grid; set one of them")
         for name in ("act_order", "static_groups", "mse"):
             if getattr(self, name) and not gptq_rounding:
                 raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq) only, "

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from compress.quant import QuantizedWeight, Scheme, find_params, mse_params
+from compress.quant import QuantizedWeight, Scheme, find_params, mse_params, weighted_range_params
 
 
 @dataclass
@@ -49,10 +49,13 @@ def _inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
 
 
 def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, damp: float = 0.01, block_size: int = 128,
-                    act_order: bool = False, static_groups: bool = False, mse: bool = False) -> GPTQResult:
+                    act_order: bool = False, static_groups: bool = False, mse: bool = False,
+                    weighted_range: bool = False) -> GPTQResult:
     """GPTQ of ``W: [out, in]`` against the Hessian ``H: [in, in]``; ragged last groups allowed.
     With ``mse`` each group's grid is the clipped range that minimises the Hessian-diagonal-weighted
-    rounding error (:func:`compress.quant.mse_params`) instead of its full min/max."""
+    rounding error (:func:`compress.quant.mse_params`) instead of its full min/max; with ``weighted_range``
+    the range's two ends move independently and the error is the squared output error under the Hessian's
+    diagonal (:func:`compress.quant.weighted_range_params`)."""
     W = W.detach().float().clone()
     out_f, in_f = W.shape
     H = H.float().clone()
@@ -63,6 +66,9 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, damp: float = 0.01, bl
     n_groups = scheme.n_groups(in_f)
 
     def params(w: Tensor, cols: Tensor | slice) -> tuple[Tensor, Tensor | None]:
+        if weighted_range:  # w: [out, k <= g] is one group
+            scale, zero = weighted_range_params(w, Scheme(scheme.bits, g, scheme.sym), H.diagonal()[cols])
+            return scale[:, 0], None if zero is None else zero[:, 0]
         return mse_params(w, scheme, H.diagonal()[cols]) if mse else find_params(w, scheme)
 
     static = None

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from compress import awq, gptq, nf4, rtn
+from compress import awq, gptq, nf4, rotate, rtn
 from compress.calibrate import BlockInputs, decoder_layers, run_sequential
 from compress.checkpoint import set_module
 from compress.config import QuantizeConfig
@@ -86,7 +86,7 @@ def _gptq_block(cfg: QuantizeConfig, report: QuantizeReport):
         first_batch.clear()
         for name, lin in linears.items():
             res = gptq.quantize_weight(lin.weight.data, hessians[owner[name]].H, cfg.scheme, cfg.damp, cfg.block_size,
-                                       cfg.act_order, cfg.static_groups, cfg.mse)
+                                       cfg.act_order, cfg.static_groups, cfg.mse, cfg.weighted_range)
             report.layers.append({"layer": i, "name": name, "loss": res.loss})
             _swap(block, name, lin, res.weight)
     return per_block
@@ -212,10 +212,11 @@ def _awq_block(cfg: QuantizeConfig, bmap: BlockMap, report: QuantizeReport):
                 bound = awq.search_clip(sampler.x(name)[:cfg.clip_tokens], w, scheme, cfg.clip_grid)
                 w = awq.clip_weight(w, bound, scheme)
             if hessians is None:
-                _swap(block, name, lin, rtn.quantize_weight(w, scheme))
+                energy = sampler.x(name).pow(2).mean(0) if cfg.weighted_range else None
+                _swap(block, name, lin, rtn.quantize_weight(w, scheme, energy))
                 continue
             res = gptq.quantize_weight(w, hessians[name].H, scheme, cfg.damp, cfg.block_size, cfg.act_order,
-                                       cfg.static_groups, cfg.mse)
+                                       cfg.static_groups, cfg.mse, cfg.weighted_range)
             report.layers.append({"layer": i, "name": name, "loss": res.loss})
             _swap(block, name, lin, res.weight)
     return per_block
@@ -282,6 +283,8 @@ def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] 
     if cfg.needs_calibration and not batches:
         raise ValueError(f"method {cfg.method}" + (" with uptrain_steps" if cfg.uptrain_steps else "")
                          + " needs calibration data; give --calib (e.g. wiki)")
+    if cfg.rotate != "none":  # before any method: the same fp function, its outliers spread over all channels
+        report.notes["rotate"] = vars(rotate.rotate_model(model, cfg.rotate, cfg.seed))
     teacher = _convert_kv_heads(model, cfg, batches, report, progress, train_progress) if cfg.kv_heads else None
     if cfg.method == "qat":
         from compress import qat

@@ -170,7 +170,7 @@ def init_awq(model: nn.Module, cfg, batches: list[Tensor], progress=None) -> dic
             break
         used.append(b)
         n += b.numel()
-    quantize_model(model, cfg.replace(method="awq", kv_heads=0, uptrain_steps=0), used, progress)
+    quantize_model(model, cfg.replace(method="awq", kv_heads=0, uptrain_steps=0, rotate="none"), used, progress)
     fakes, agree, total = {}, 0, 0
     for name, lin in originals.items():
         ql = model.get_submodule(name)

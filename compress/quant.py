@@ -133,6 +133,51 @@ def mse_params(w: Tensor, scheme: Scheme, col_weight: Tensor | None = None, grid
     return best_s, best_z
 
 
+def range_candidates(grid: int, max_shrink: float, sym: bool) -> list[tuple[float, float]]:
+    """The ``(lo, hi)`` shrink factors a weighted range search tries: every pair of steps of ``1 / grid`` in
+    ``[1 - max_shrink, 1]`` (asymmetric: the two ends move independently), or equal pairs (symmetric)."""
+    steps = [1 - k / grid for k in range(int(grid * max_shrink) + 1)]
+    return [(f, f) for f in steps] if sym else [(a, b) for a in steps for b in steps]
+
+
+def _range_qparams(lo: Tensor, hi: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor]:
+    """Float scale and zero of ranges ``[lo, hi]`` (lo <= 0 <= hi), rounded as :func:`find_params` rounds."""
+    if scheme.sym:
+        scale = fp16_ceil((torch.maximum(-lo, hi) / (scheme.sym_zero - 1)).clamp(min=MIN_SCALE)).float()
+        return scale, torch.full_like(scale, float(scheme.sym_zero))
+    scale = fp16_ceil(((hi - lo) / scheme.maxq).clamp(min=MIN_SCALE)).float()
+    return scale, torch.round(-lo / scale).clamp(0, scheme.maxq)
+
+
+def weighted_range_params(w: Tensor, scheme: Scheme, energy: Tensor, grid: int = 20,
+                          max_shrink: float = 0.5) -> tuple[Tensor, Tensor | None]:
+    """Group-wise qparams of ``w: [out, in]`` (like :func:`compute_qparams`) whose range minimises each group's
+    activation-weighted rounding error ``sum_j e_j (w_j - dq(w_j))^2``, ``e = energy: [in]`` the mean ``x_j^2``
+    of the input channel (the diagonal of the layer's Hessian; llama.cpp's importance matrix): the expected
+    output error when channels are uncorrelated, instead of the plain weight error. The full min/max range is
+    always a candidate, so no group does worse under this measure than plain RTN. Integer format only."""
+    if scheme.format != "int":
+        raise ValueError(f"weighted_range_params needs format 'int', got {scheme.format!r}")
+    out_f, in_f = w.shape
+    g, n = scheme.group(in_f), scheme.n_groups(in_f)
+    wg = _grouped(w.float(), n, g)  # [out, G, g]; padded columns get zero energy below
+    e = _grouped(energy.float().clamp(min=0)[None, :], n, g)[0]  # [G, g]
+    lo0, hi0 = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)  # [out, G]
+    best_err = best_s = best_z = None
+    for a, b in range_candidates(grid, max_shrink, scheme.sym):
+        s, z = _range_qparams(lo0 * a, hi0 * b, scheme)
+        q = (wg / s[..., None]).round_().add_(z[..., None]).clamp_(0, scheme.maxq)
+        err = (q.sub_(z[..., None]).mul_(s[..., None]) - wg).pow_(2).mul_(e).sum(-1)  # [out, G]
+        if best_err is None:
+            best_err, best_s, best_z = err, s, z
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+    scale = best_s.half()  # already float16 values
+    return scale, None if scheme.sym else best_z.to(torch.uint8)
+
+
 def group_index(in_features: int, scheme: Scheme, device=None) -> Tensor:
     """The group of each input column when columns are in natural order (ragged last group)."""
     return torch.arange(in_features, device=device) // scheme.group(in_features)

@@ -100,3 +100,60 @@ def test_mse_params_never_worse_than_full_range(scheme):
     full, best = err(find_params(w, scheme)), err(mse_params(w, scheme, c))
     assert (best <= full * (1 + 1e-6)).all()
     assert (best < full).float().mean() > 0.5
+
+
+def _brute_force_range(w: torch.Tensor, e: torch.Tensor, scheme: Scheme, grid: int, max_shrink: float):
+    """Reference for weighted_range_params: every (row, group) and every (lo, hi) shrink pair in plain loops."""
+    from compress.quant import fp16_ceil
+
+    g = scheme.group(w.shape[1])
+    steps = [1 - k / grid for k in range(int(grid * max_shrink) + 1)]
+    pairs = [(a, a) for a in steps] if scheme.sym else [(a, b) for a in steps for b in steps]
+    scales, zeros = torch.empty(w.shape[0], scheme.n_groups(w.shape[1])), torch.empty(w.shape[0], scheme.n_groups(w.shape[1]))
+    for r in range(w.shape[0]):
+        for j in range(scheme.n_groups(w.shape[1])):
+            x, c = w[r, j * g:(j + 1) * g].double(), e[j * g:(j + 1) * g].double()
+            best = None
+            for a, b in pairs:
+                lo, hi = min(x.min().item(), 0.0) * a, max(x.max().item(), 0.0) * b
+                if scheme.sym:
+                    s = fp16_ceil(torch.tensor(max(-lo, hi) / (scheme.sym_zero - 1)).clamp(min=1e-6)).item()
+                    z = float(scheme.sym_zero)
+                else:
+                    s = fp16_ceil(torch.tensor((hi - lo) / scheme.maxq).clamp(min=1e-6)).item()
+                    z = min(max(round(-lo / s), 0), scheme.maxq)
+                dq = (torch.clamp(torch.round(x / s) + z, 0, scheme.maxq) - z) * s
+                err = (c * (x - dq) ** 2).sum().item()
+                if best is None or err < best[0] * (1 - 1e-9):
+                    best = (err, s, z)
+            scales[r, j], zeros[r, j] = best[1], best[2]
+    return scales, zeros
+
+
+@pytest.mark.parametrize("scheme", [Scheme(2, 8, False), Scheme(3, 8, True), Scheme(4, 12, False)])
+def test_weighted_range_search_matches_a_brute_force_reference(scheme):
+    from compress.quant import weighted_range_params
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(5, 20, generator=g) ** 3  # 20 columns: a ragged last group at group sizes 8 and 12
+    e = torch.rand(20, generator=g) * torch.tensor([10.0, 0.1] * 10)  # uneven channel energies
+    scale, zero = weighted_range_params(w, scheme, e, grid=10, max_shrink=0.5)
+    ref_scale, ref_zero = _brute_force_range(w, e, scheme, 10, 0.5)
+    torch.testing.assert_close(scale.float(), ref_scale, rtol=0, atol=0)
+    if not scheme.sym:
+        assert torch.equal(zero.float(), ref_zero)
+
+
+@pytest.mark.parametrize("scheme", [Scheme(4, 32, False), Scheme(3, 32, True)])
+def test_weighted_range_beats_min_max_on_the_weighted_output_error(scheme):
+    from compress.rtn import quantize_weight
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 128, generator=g) ** 3
+    x = torch.randn(512, 128, generator=g) * (torch.rand(128, generator=g) * 4)  # activations with loud channels
+    e = x.pow(2).mean(0)
+    plain, weighted = quantize_weight(w, scheme), quantize_weight(w, scheme, e)
+    out_err = [(x @ (q.dequantize() - w).T).pow(2).mean().item() for q in (plain, weighted)]
+    assert out_err[1] < 0.9 * out_err[0]
+    # the data-free path is unchanged by the new parameter
+    assert torch.equal(quantize_weight(w, scheme).q, quantize_weight(w, scheme, None).q)
