@@ -56,12 +56,14 @@ def _mb(n: int) -> str:
 @click.option("--steps", type=int, default=None, help="QAT: fine-tuning steps.")
 @click.option("--lr", type=float, default=None, help="QAT: learning rate of the weights.")
 @click.option("--init", "qat_init", type=click.Choice(["rtn", "awq"]), default=None, help="QAT: PTQ to start from.")
+@click.option("--rotate", type=click.Choice(["none", "hadamard"]), default=None,
+              help="Fold the norms and rotate the weights by randomized Hadamards before quantizing.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
 @click.option("--allow-pickle", is_flag=True, help="Allow pickled .bin weights (they can run code when loaded).")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the summary as JSON.")
 def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size, sym, act_order, seed, kv_heads,
-             kv_init, kv_fit_steps, uptrain_steps, steps, lr, qat_init, overwrite, trust_remote_code, allow_pickle,
+             kv_init, kv_fit_steps, uptrain_steps, steps, lr, qat_init, rotate, overwrite, trust_remote_code, allow_pickle,
              json_path):
     """Quantize MODEL with a recipe into a packed checkpoint folder."""
     from pathlib import Path
@@ -75,7 +77,7 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
     cfg = load_recipe(recipe).replace(calib=calib, nsamples=nsamples, seqlen=seqlen, bits=bits, group_size=group_size,
                                       sym=sym, act_order=act_order, seed=seed, kv_heads=kv_heads,
                                       kv_init=kv_init, kv_fit_steps=kv_fit_steps, uptrain_steps=uptrain_steps,
-                                      steps=steps, lr=lr, init=qat_init)
+                                      steps=steps, lr=lr, init=qat_init, rotate=rotate)
     src = resolve(model_spec)
     out = out or str(Path("out") / f"{src.name}-{Path(recipe).stem}")
     s = cfg.scheme

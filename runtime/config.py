@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.kernels.kv_quant import KV_CACHE_DTYPES, kv_format
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANT_KERNELS = ("auto", "packed", "dequant")
 LM_HEADS = ("auto", "fp", "int8", "int4")  # runtime/kernels/qmatmul.py LM_HEAD_SCHEMES has the last two
@@ -30,6 +32,9 @@ class EngineConfig:
     SmolLM2's head in Q8_0), else fp. A head that ``compress quantize`` quantized keeps its own format.
     ``fused_cpu_kernels`` runs the small per-layer ops and decode attention in one fused kernel each
     (runtime/kernels/cpu/fused_ops.cpp, built once per machine); False keeps the torch reference ops.
+    ``kv_cache_dtype``: ``"auto"`` stores K and V in the compute dtype; ``"int8"`` / ``"fp8_e4m3"`` (where this
+    torch has ``float8_e4m3fn``) store 8-bit codes with an fp16 scale per token and KV head, about twice the
+    tokens in the same ``kv_cache_memory`` as a 16-bit cache (runtime/kernels/kv_quant.py).
     Prompt lookup matches suffix n-grams of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens
     (on free-running text ``prompt_lookup_min=2`` wastes fewer verifications on CPU; 1 drafts more often).
     """
@@ -52,6 +57,7 @@ class EngineConfig:
     prompt_lookup_min: int = 1
     lm_head: str = "auto"
     fused_cpu_kernels: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -81,6 +87,9 @@ class EngineConfig:
             raise ValueError(f"quant_kernel={self.quant_kernel!r} is unknown; use one of {QUANT_KERNELS}")
         if self.lm_head not in LM_HEADS:
             raise ValueError(f"lm_head={self.lm_head!r} is unknown; use one of {LM_HEADS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is unknown; use one of {KV_CACHE_DTYPES}")
+        kv_format(self.kv_cache_dtype)  # fp8 without torch support: a clear error here, not at the first write
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max={self.prompt_lookup_max}: "
                              "need 1 <= min <= max")

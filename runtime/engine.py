@@ -77,7 +77,7 @@ class Engine:
         choice = resolve_dtype(c.dtype, "cpu" if c.device == "cpu" else "cuda", ckpt.stored_dtype, ckpt.quantized)
         self.dtype = choice.dtype
         log.info("engine dtype: %s (%s)", choice.dtype, choice.reason)
-        per_block = sum(kv_bytes_per_block(m, c.block_size, self.dtype) for m in (mcfg, dcfg) if m)
+        per_block = sum(kv_bytes_per_block(m, c.block_size, self.dtype, c.kv_cache_dtype) for m in (mcfg, dcfg) if m)
         num_blocks = c.num_kv_blocks or c.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no KV block "
@@ -87,7 +87,7 @@ class Engine:
         def runner(ck):
             return ModelRunner(ck, num_blocks, c.block_size, self.dtype, c.device, c.quant_kernel,
                                self.max_model_len + c.lookahead + 1, decode_q_len=1 + c.lookahead,
-                               fused_cpu=c.fused_cpu_kernels, lm_head=c.lm_head)
+                               fused_cpu=c.fused_cpu_kernels, lm_head=c.lm_head, kv_cache_dtype=c.kv_cache_dtype)
 
         self.runner = runner(ckpt)
         draft_runner = runner(dckpt) if dckpt else None
@@ -105,8 +105,8 @@ class Engine:
         self._live: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
-        log.info("engine: %d KV blocks of %d tokens, max_model_len=%d, quantized linears: %s, lm_head: %s",
-                 num_blocks, c.block_size, self.max_model_len, self.runner.kernel_paths or "none",
+        log.info("engine: %d KV blocks of %d tokens (%s), max_model_len=%d, quantized linears: %s, lm_head: %s",
+                 num_blocks, c.block_size, c.kv_cache_dtype, self.max_model_len, self.runner.kernel_paths or "none",
                  self.runner.lm_head_kind)
 
     def _max_model_len(self, mcfg: ModelConfig, dcfg: ModelConfig | None, num_blocks: int) -> int:

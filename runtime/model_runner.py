@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from runtime.kernels import qmatmul
 from runtime.kernels.attention import AttentionMetadata, fused_paged_attention, triton_paged_attention
 from runtime.kernels.fused import FUSED_CPU_OPS, select_ops
+from runtime.kernels.kv_quant import SCALE_DTYPE, kv_bytes_per_token_head, kv_format
 from runtime.kernels.moe import prepare_experts
 from runtime.models.llama import ModelConfig
 from runtime.models.loader import Checkpoint, build_model
@@ -36,9 +37,10 @@ class ForwardItem:
     num_logits: int  # how many trailing positions' logits to return (0 .. len)
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str) -> int:
-    """Bytes of K and V for one block across all layers."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * DTYPES[dtype].itemsize
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of K and V for one block across all layers, 8-bit codes' scales included."""
+    per_head = kv_bytes_per_token_head(cfg.head_dim, DTYPES[dtype], kv_format(kv_cache_dtype))
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_head
 
 
 class ModelRunner:
@@ -46,7 +48,7 @@ class ModelRunner:
 
     def __init__(self, ckpt: Checkpoint, num_blocks: int, block_size: int, dtype: str, device: str,
                  quant_kernel: str, max_positions: int, decode_q_len: int = 1, fused_cpu: bool = True,
-                 lm_head: str = "fp"):
+                 lm_head: str = "fp", kv_cache_dtype: str = "auto"):
         self.dtype, self.device = DTYPES[dtype], torch.device(device)
         self.block_size, self.num_blocks, self.decode_q_len = block_size, num_blocks, decode_q_len
         self.model = build_model(ckpt, self.dtype, max_positions)
@@ -60,17 +62,25 @@ class ModelRunner:
         if self.device.type == "cpu":
             self.num_prepacked = qmatmul.pack_dense_linears(self.model, self.dtype, fused)
         self.model.to(self.device)
-        cfg = self.config
-        shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._allocate_kv(kv_cache_dtype)
         self.model.set_ops(self.ops)
         for i, attn in enumerate(self.model.attention_modules()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            if self.kv_scales is not None:
+                attn.k_scale, attn.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
             if self.device.type == "cuda":
                 attn.attn_fn = triton_paged_attention
             elif fused:
                 attn.attn_fn = fused_paged_attention
         log.info("small ops and decode attention: %s", self.ops.name)
+
+    def _allocate_kv(self, kv_cache_dtype: str) -> None:
+        """The paged pool ``[2, layers, blocks, block_size, Hkv, D]`` in the compute dtype, or 8-bit codes with
+        a parallel fp16 scale pool ``[2, layers, blocks, block_size, Hkv]`` (runtime/kernels/kv_quant.py)."""
+        cfg, fmt = self.config, kv_format(kv_cache_dtype)
+        shape = (2, cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype if fmt is None else fmt.storage, device=self.device)
+        self.kv_scales = None if fmt is None else torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
 
     def _prepare_head(self, choice: str, quantized: bool, fused: bool) -> str:
         """Quantize or prepack an fp LM head on CPU (EngineConfig's ``lm_head``); returns what runs it."""

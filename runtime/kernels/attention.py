@@ -17,7 +17,10 @@ through the block tables. A sliding ``window`` (Mistral, Qwen2's sliding layers)
 keys to the last ``window`` positions, its own included: key ``j`` is visible to query position ``i``
 when ``i - window < j <= i`` (transformers' ``sliding_window_overlay``); the cache keeps every key.
 ``paged_attention`` is what the model calls; the Triton kernels in ``runtime/kernels/triton_attention.py``
-take the same tensors.
+take the same tensors. An 8-bit cache (runtime/kernels/kv_quant.py) holds int8/fp8 codes in ``k_cache, v_cache``
+and one fp16 scale per token and KV head in ``k_scale, v_scale: [num_blocks, block_size, num_kv_heads]``; every
+function here takes them as its last two arguments (None: a cache in the compute dtype), quantizes on write and
+dequantizes what it reads, prefill included, so every query sees the keys as stored.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from runtime.kernels.kv_quant import dequantize_kv, write_kv_quantized
 
 
 @dataclass
@@ -65,10 +70,21 @@ def slots_of(block_tables: Tensor, num_positions: int, block_size: int) -> Tenso
     return block_tables[:, pos // block_size].long() * block_size + pos % block_size
 
 
-def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """Store ``k, v: [T, Hkv, D]`` into their slots of the pool."""
+def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor,
+             k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
+    """Store ``k, v: [T, Hkv, D]`` into their slots of the pool (quantized when it has scales)."""
+    if k_scale is not None:
+        write_kv_quantized(k_cache, v_cache, k_scale, v_scale, k, v, slot_mapping)
+        return
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def _take(rows: Tensor, scale_rows: Tensor | None, idx: Tensor, dtype: torch.dtype) -> Tensor:
+    """``rows[idx]`` of a flat view of the pool (``[N, ..., D]``), dequantized through ``scale_rows[idx]``
+    (``[N, ...]``) for an 8-bit cache."""
+    x = rows.index_select(0, idx)
+    return x if scale_rows is None else dequantize_kv(x, scale_rows.index_select(0, idx), dtype)
 
 
 def _decode_plan(meta: AttentionMetadata, dtype: torch.dtype, device,
@@ -107,7 +123,8 @@ def _effective(window: int | None, longest: int) -> int | None:
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
-                     window: int | None = None) -> Tensor:
+                     window: int | None = None, k_scale: Tensor | None = None,
+                     v_scale: Tensor | None = None) -> Tensor:
     """Batched attention for the decode group: ``q: [sum(decode_q_lens), Hq, D]`` -> same shape."""
     meta.derived.setdefault("block_size", k_cache.shape[1])
     window = _effective(window, meta.max_decode_seq_len or int(meta.decode_seq_lens.max()))
@@ -121,8 +138,11 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
         full.index_copy_(0, pad, q)
         q = full
     # gather whole blocks (contiguous rows of block_size * Hkv * D): [D, L, Hkv, D]
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, blocks).view(nb, -1, hkv, d)
-    v = v_cache.view(v_cache.shape[0], -1).index_select(0, blocks).view(nb, -1, hkv, d)
+    n_blocks = k_cache.shape[0]
+    k = _take(k_cache.view(n_blocks, -1, d), None if k_scale is None else k_scale.view(n_blocks, -1), blocks,
+              q.dtype).view(nb, -1, hkv, d)
+    v = _take(v_cache.view(n_blocks, -1, d), None if v_scale is None else v_scale.view(n_blocks, -1), blocks,
+              q.dtype).view(nb, -1, hkv, d)
     if nq == 1:  # plain decoding: [D, Hq, D] already is [D, Hkv, G, D]; no copies
         o = F.scaled_dot_product_attention(q.reshape(nb, hkv, group, d), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask, scale=scale)
@@ -138,21 +158,29 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                      scale: float, window: int | None = None) -> Tensor:
+                      scale: float, window: int | None = None, k_scale: Tensor | None = None,
+                      v_scale: Tensor | None = None) -> Tensor:
     """Causal attention for the prefill group, one sequence at a time (its new ``k, v`` are already stored)."""
     out = torch.empty_like(q)
     block_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    k_rows = None if k_scale is None else k_scale.view(-1, hkv)
+    v_rows = None if v_scale is None else v_scale.view(-1, hkv)
     start = 0
     for b, (n, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_ctx_lens)):
         qi = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
         win = _effective(window, ctx + n)
-        if ctx == 0 and win is None:  # nothing cached: attend to this chunk's own keys
-            ki, vi = k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1)
+        if ctx == 0 and win is None:  # nothing cached: attend to this chunk's own keys (as stored)
+            if k_scale is None:
+                ki, vi = k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1)
+            else:
+                idx = meta.slot_mapping[start:start + n]
+                ki = _take(k_cache.view(-1, hkv, d), k_rows, idx, q.dtype).transpose(0, 1)
+                vi = _take(v_cache.view(-1, hkv, d), v_rows, idx, q.dtype).transpose(0, 1)
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
             idx = slots_of(meta.prefill_block_tables[b:b + 1], ctx + n, block_size)[0]
-            ki = k_cache.view(-1, hkv, d)[idx].transpose(0, 1)  # [Hkv, ctx + n, D]
-            vi = v_cache.view(-1, hkv, d)[idx].transpose(0, 1)
+            ki = _take(k_cache.view(-1, hkv, d), k_rows, idx, q.dtype).transpose(0, 1)  # [Hkv, ctx + n, D]
+            vi = _take(v_cache.view(-1, hkv, d), v_rows, idx, q.dtype).transpose(0, 1)
             keys, queries = torch.arange(ctx + n, device=q.device), torch.arange(ctx, ctx + n, device=q.device)
             mask = keys[None, :] <= queries[:, None]
             if win is not None:
@@ -164,52 +192,59 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None = None) -> Tensor:
+                    scale: float, window: int | None = None, k_scale: Tensor | None = None,
+                    v_scale: Tensor | None = None) -> Tensor:
     """Store this forward's ``k, v: [T, Hkv, D]`` and attend with ``q: [T, Hq, D]`` -> ``[T, Hq, D]``."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    p = meta.num_prefill_tokens
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
+    p, scales = meta.num_prefill_tokens, (k_scale, v_scale)
     if p == q.shape[0]:
-        return prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+        return prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, *scales)
     if p == 0:
-        return decode_attention(q, k_cache, v_cache, meta, scale, window)
-    return torch.cat([prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta, scale, window),
-                      decode_attention(q[p:], k_cache, v_cache, meta, scale, window)])
+        return decode_attention(q, k_cache, v_cache, meta, scale, window, *scales)
+    return torch.cat([prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta, scale, window, *scales),
+                      decode_attention(q[p:], k_cache, v_cache, meta, scale, window, *scales)])
 
 
 def triton_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                           scale: float, window: int | None = None) -> Tensor:
+                           scale: float, window: int | None = None, k_scale: Tensor | None = None,
+                           v_scale: Tensor | None = None) -> Tensor:
     """The same contract on CUDA, through the Triton kernels (runtime/kernels/triton_attention.py)."""
     from runtime.kernels.triton_attention import triton_decode_attention, triton_prefill_attention
 
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    p, outs = meta.num_prefill_tokens, []
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
+    p, outs, scales = meta.num_prefill_tokens, [], dict(k_scale=k_scale, v_scale=v_scale)
     if p:
         outs.append(triton_prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables,
                                              meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
-                                             max_query_len=max(meta.prefill_q_lens), window=window))
+                                             max_query_len=max(meta.prefill_q_lens), window=window, **scales))
     if q.shape[0] > p:
         if meta.max_decode_q_len == 1:
             outs.append(triton_decode_attention(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                                scale, max_seq_len=meta.max_decode_seq_len, window=window))
+                                                scale, max_seq_len=meta.max_decode_seq_len, window=window, **scales))
         else:  # verifying drafts: a few queries per sequence, causal after the context
             outs.append(triton_prefill_attention(q[p:], k_cache, v_cache, meta.decode_block_tables,
                                                  meta.decode_cu_seqlens_q, meta.decode_seq_lens, scale,
-                                                 max_query_len=meta.max_decode_q_len, window=window))
+                                                 max_query_len=meta.max_decode_q_len, window=window, **scales))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def fused_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                          scale: float, window: int | None = None) -> Tensor:
+                          scale: float, window: int | None = None, k_scale: Tensor | None = None,
+                          v_scale: Tensor | None = None) -> Tensor:
     """The same contract on CPU with plain-decoding queries (one per sequence) in the fused kernel
-    (runtime/kernels/cpu/decode_attention.cpp: one call per layer, reading keys through the block tables in place)."""
-    torch.ops.compress_cpu.write_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
-    p, outs = meta.num_prefill_tokens, []
+    (runtime/kernels/cpu/decode_attention.cpp: one call per layer, reading keys through the block tables in place;
+    an 8-bit cache is quantized on write and dequantized in registers there too)."""
+    if k_scale is None:
+        torch.ops.compress_cpu.write_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
+    else:
+        torch.ops.compress_cpu.write_kv_q8_(k_cache, v_cache, k_scale, v_scale, k, v, meta.slot_mapping)
+    p, outs, scales = meta.num_prefill_tokens, [], (k_scale, v_scale)
     if p:
-        outs.append(prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta, scale, window))
+        outs.append(prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta, scale, window, *scales))
     if q.shape[0] > p:
         if meta.max_decode_q_len == 1:
             outs.append(torch.ops.compress_cpu.paged_decode_attention(
-                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window or 0))
+                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window or 0, *scales))
         else:  # verifying drafts: a few queries per sequence
-            outs.append(decode_attention(q[p:], k_cache, v_cache, meta, scale, window))
+            outs.append(decode_attention(q[p:], k_cache, v_cache, meta, scale, window, *scales))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

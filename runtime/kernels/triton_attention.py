@@ -13,6 +13,10 @@ an online softmax (Dao et al., FlashAttention-2); the full score matrix is never
   shares the KV head (GQA/MQA) in one ``tl.dot``, writing a partial max, sum and normalized output.
   Stage 2 rescales and combines the partials per (sequence, query head).
 Softmax runs in base 2 (``exp2``) with ``log2(e)`` folded into the scale; accumulation is fp32.
+An 8-bit cache (runtime/kernels/kv_quant.py; ``QUANT``) holds int8/fp8 codes with one fp16 scale per token and
+KV head in ``k_scale, v_scale: [num_blocks, block_size, num_kv_heads]``: codes convert exactly to the query's
+dtype for ``tl.dot``, each key's scale multiplies its column of scores and each value's scale its column of
+probabilities (after the softmax sum), so the dequantized tiles are never formed.
 A sliding ``window`` (runtime/kernels/attention.py) bounds keys from below too: query position ``i``
 sees keys ``i - window < j <= i``; key tiles wholly before a tile's window are skipped (``NO_WINDOW``,
 a bound past any position, stands for full attention).
@@ -33,12 +37,12 @@ NO_WINDOW = 1 << 30  # a window no sequence reaches: full causal attention
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
     qk_scale, block_size, head_dim, window,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     stride_btb, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
@@ -69,7 +73,12 @@ def _prefill_kernel(
         kv_ok = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
                     mask=kv_ok, other=0.0)  # [BN, BD]
+        if QUANT:  # codes are exact in q's dtype; each key's scale multiplies its column of scores
+            k = k.to(q.dtype)
+            k_s = tl.load(ks_ptr + blk * stride_sb + slot * stride_ss + kvh, mask=n_ok, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN], log2 units
+        if QUANT:
+            s = s * k_s[None, :]
         visible = ((ctx + offs_m)[:, None] >= offs_n[None, :]) & n_ok[None, :]
         visible = visible & (offs_n[None, :] > (ctx + offs_m)[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -79,6 +88,10 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                     mask=kv_ok, other=0.0)  # [BN, BD]
+        if QUANT:  # each value's scale multiplies its column of probabilities (the sum above is unscaled)
+            v = v.to(q.dtype)
+            v_s = tl.load(vs_ptr + blk * stride_sb + slot * stride_ss + kvh, mask=n_ok, other=0.0).to(tl.float32)
+            p = p * v_s[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -88,11 +101,12 @@ def _prefill_kernel(
 
 @triton.jit
 def _decode_partition_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
     qk_scale, block_size, head_dim, num_partitions, window,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+    stride_btb,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     b, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -116,7 +130,12 @@ def _decode_partition_kernel(
         kv_ok = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
                     mask=kv_ok, other=0.0)
+        if QUANT:
+            k = k.to(q.dtype)
+            k_s = tl.load(ks_ptr + blk * stride_sb + slot * stride_ss + kvh, mask=n_ok, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BG, BN]
+        if QUANT:
+            s = s * k_s[None, :]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -124,6 +143,10 @@ def _decode_partition_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                     mask=kv_ok, other=0.0)
+        if QUANT:  # each value's scale multiplies its column of probabilities (the sum above is unscaled)
+            v = v.to(q.dtype)
+            v_s = tl.load(vs_ptr + blk * stride_sb + slot * stride_ss + kvh, mask=n_ok, other=0.0).to(tl.float32)
+            p = p * v_s[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -159,9 +182,10 @@ def prefill_tiles(max_query_len: int, head_dim: int) -> tuple[int, int]:
 
 def _check_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
     """(num_kv_heads, group, head_dim) after checking shapes; the last dim must be contiguous."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] of one "
+                         f"dtype, got {tuple(k_cache.shape)} {k_cache.dtype} and "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
     hq, d = q.shape[-2], q.shape[-1]
     hkv = k_cache.shape[2]
     if k_cache.shape[3] != d or hq % hkv:
@@ -169,6 +193,21 @@ def _check_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[int, int,
                          "(query heads must be a multiple of KV heads)")
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     return hkv, hq // hkv, d
+
+
+def _scales(k_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> tuple[Tensor, Tensor, int, int]:
+    """(k scales, v scales, block stride, slot stride) for the kernels; the cache itself and zero strides when
+    it holds the compute dtype (the kernels then never read them)."""
+    coded = k_cache.dtype.itemsize == 1
+    if coded != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError(f"a {k_cache.dtype} cache needs k_scale and v_scale exactly when it holds 8-bit codes")
+    if k_scale is None:
+        return k_cache, k_cache, 0, 0
+    if k_scale.shape != k_cache.shape[:3] or v_scale.shape != k_scale.shape or k_scale.stride() != v_scale.stride() \
+            or k_scale.stride(2) != 1:
+        raise ValueError(f"k_scale/v_scale must be [num_blocks, block_size, num_kv_heads] like the cache "
+                         f"{tuple(k_cache.shape[:3])}, got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
+    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1)
 
 
 def _window(window: int | None) -> int:
@@ -183,15 +222,17 @@ def _precision(t: Tensor) -> str:
 
 def triton_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                              cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float | None = None,
-                             max_query_len: int | None = None, window: int | None = None) -> Tensor:
+                             max_query_len: int | None = None, window: int | None = None,
+                             k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     """Causal attention of new tokens ``q: [total_q, Hq, D]`` over their sequences' paged keys.
 
     ``cu_seqlens_q: [B+1]`` delimits each sequence's queries in ``q``; ``seq_lens: [B]`` counts its
     cached context plus new tokens; ``block_tables: [B, max_blocks]`` maps its logical blocks to pool
-    blocks; ``window`` limits each query to its last ``window`` positions. Returns ``[total_q, Hq, D]``
-    in ``q.dtype``.
+    blocks; ``window`` limits each query to its last ``window`` positions; ``k_scale, v_scale`` are an 8-bit
+    cache's scales. Returns ``[total_q, Hq, D]`` in ``q.dtype``.
     """
     _, group, d = _check_cache(q, k_cache, v_cache)
+    ks, vs, stride_sb, stride_ss = _scales(k_cache, k_scale, v_scale)
     batch = seq_lens.shape[0]
     out = torch.empty_like(q)
     if q.shape[0] == 0:
@@ -202,22 +243,25 @@ def triton_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_
     block_m, block_n = prefill_tiles(max_query_len, d)
     grid = (triton.cdiv(max_query_len, block_m), batch, q.shape[1])
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E, k_cache.shape[1], d, _window(window),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_sb, stride_ss, block_tables.stride(0),
+        out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
-        DOT_PRECISION=_precision(q),
+        DOT_PRECISION=_precision(q), QUANT=k_scale is not None,
     )
     return out
 
 
 def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                             scale: float | None = None, max_seq_len: int | None = None,
-                            partition_size: int = 256, window: int | None = None) -> Tensor:
+                            partition_size: int = 256, window: int | None = None, k_scale: Tensor | None = None,
+                            v_scale: Tensor | None = None) -> Tensor:
     """One query token per sequence, ``q: [B, Hq, D]``, over its ``seq_lens[b]`` cached keys (the last
-    ``window`` of them with a sliding window) -> ``[B, Hq, D]``."""
+    ``window`` of them with a sliding window; an 8-bit cache with its scales) -> ``[B, Hq, D]``."""
     hkv, group, d = _check_cache(q, k_cache, v_cache)
+    ks, vs, stride_sb, stride_ss = _scales(k_cache, k_scale, v_scale)
     batch, hq = q.shape[0], q.shape[1]
     out = torch.empty_like(q)
     if batch == 0:
@@ -235,12 +279,12 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     part_m = torch.empty(batch, hq, parts, **f32)
     part_l = torch.empty(batch, hq, parts, **f32)
     _decode_partition_kernel[(batch, hkv, parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_m, part_l,
+        q, k_cache, v_cache, ks, vs, block_tables, seq_lens, part_out, part_m, part_l,
         scale * LOG2E, k_cache.shape[1], d, parts, _window(window),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_sb, stride_ss, block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        PARTITION=partition_size, DOT_PRECISION=_precision(q),
+        PARTITION=partition_size, DOT_PRECISION=_precision(q), QUANT=k_scale is not None,
     )
     _decode_reduce_kernel[(batch, hq)](
         part_out, part_m, part_l, out, d, parts, out.stride(0), out.stride(1),

@@ -111,7 +111,9 @@ class ModelConfig:
         )
 
 
-AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, float, int | None], Tensor]
+# (q, k, v, k_cache, v_cache, meta, scale, window, k_scale, v_scale) -> out (runtime/kernels/attention.py)
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, float, int | None, Tensor | None,
+                        Tensor | None], Tensor]
 
 
 class Attention(nn.Module):
@@ -129,6 +131,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, dtype=dtype) if norm else None
         self.k_cache: Tensor | None = None  # [num_blocks, block_size, Hkv, D], set by the runner
         self.v_cache: Tensor | None = None
+        self.k_scale: Tensor | None = None  # [num_blocks, block_size, Hkv] fp16 for an 8-bit cache, else None
+        self.v_scale: Tensor | None = None
         self.attn_fn: AttentionFn = paged_attention
         self.ops: Ops = TORCH_OPS
 
@@ -148,7 +152,8 @@ class Attention(nn.Module):
         else:
             q = rope(self.q_norm(qkv[:, :hq]), cos, sin, hq)[:, :hq]
             k = rope(self.k_norm(qkv[:, hq:hq + hkv]), cos, sin, hkv)[:, :hkv]
-        o = self.attn_fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
+        o = self.attn_fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, self.k_scale,
+                         self.v_scale)
         return self.o_proj(o.reshape(t, hq * self.head_dim))
 
 

@@ -211,3 +211,51 @@ def test_paged_attention_matches_engine_reference(ta, hq, hkv, prefill, decode, 
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
+
+
+# --- 8-bit KV cache (runtime/kernels/kv_quant.py) -----------------------------------------------------------------
+def quantized_setup(name, seq_lens, block_size, hkv, d, gen):
+    """A random pool stored as 8-bit codes + fp16 scales, and the same pool dequantized to fp32."""
+    from runtime.kernels.kv_quant import dequantize_kv, kv_format, quantize_kv
+
+    k_fp, v_fp, table = paged_setup(seq_lens, block_size, hkv, d, torch.float32, gen)
+    out = []
+    for cache in (k_fp, v_fp):
+        codes, scales = quantize_kv(cache.view(-1, hkv, d), kv_format(name))
+        codes, scales = codes.view(cache.shape), scales.view(cache.shape[:3])
+        out.append((codes, scales, dequantize_kv(codes, scales, torch.float32)))
+    return out[0], out[1], table
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_8bit_cache_decode_and_prefill(ta, name, hq, hkv, window):
+    """On codes with scales, both kernels equal the reference on the dequantized cache (fp32, accumulation order
+    only); scales are read per token and KV head through the block table, so a wrong index shows."""
+    gen = torch.Generator().manual_seed(hq + hkv + (window or 0))
+    d, block_size, seq_lens = 32, 8, [1, 33, 70, 12]
+    (kc, ks, kd), (vc, vs, vd), table = quantized_setup(name, seq_lens, block_size, hkv, d, gen)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(DEVICE)
+    dec = ta.triton_decode_attention(q, kc, vc, table, sl, 0.3, partition_size=32, window=window, k_scale=ks,
+                                     v_scale=vs)
+    q_lens = [1, 5, 30, 12]
+    qp = torch.randn(sum(q_lens), hq, d, generator=gen).to(DEVICE)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    pre = ta.triton_prefill_attention(qp, kc, vc, table, cu, sl, 0.3, window=window, k_scale=ks, v_scale=vs)
+    for b, n in enumerate(seq_lens):
+        ref = ref_attention(q[b:b + 1], kd, vd, table[b], n, 0.3, window)
+        torch.testing.assert_close(dec[b:b + 1], ref, rtol=1e-4, atol=1e-4)
+        ref = ref_attention(qp[cu[b]:cu[b + 1]], kd, vd, table[b], n, 0.3, window)
+        torch.testing.assert_close(pre[cu[b]:cu[b + 1]], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_8bit_cache_needs_its_scales(ta):
+    gen = torch.Generator().manual_seed(0)
+    (kc, ks, _), (vc, vs, _), table = quantized_setup("int8", [5], 4, 1, 16, gen)
+    q, sl = torch.zeros(1, 2, 16, device=DEVICE), torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        ta.triton_decode_attention(q, kc, vc, table, sl)
+    with pytest.raises(ValueError, match=r"must be \[num_blocks, block_size, num_kv_heads\]"):
+        ta.triton_decode_attention(q, kc, vc, table, sl, k_scale=ks[:, :2], v_scale=vs[:, :2])
