@@ -148,6 +148,11 @@ def _csv(value: str | None) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
 
 
+def _quiet_lm_eval() -> None:
+    if not logging.getLogger().isEnabledFor(logging.INFO):
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)  # lm-eval warns about our custom datasets per task
+
+
 @main.command("eval")
 @click.argument("model_spec", metavar="MODEL")
 @click.option("--baseline", default=None, help="Model to compare against (name, HF folder or .gguf).")
@@ -158,21 +163,81 @@ def _csv(value: str | None) -> list[str]:
 @click.option("--max-windows", type=int, default=None, help="Score only the first N perplexity windows.")
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
-def eval_cmd(model_spec, baseline, ppl, tasks, limit, seqlen, max_windows, batch_size, json_path):
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars on stderr.")
+def eval_cmd(model_spec, baseline, ppl, tasks, limit, seqlen, max_windows, batch_size, json_path, quiet):
     """Perplexity, task accuracy and size of MODEL, side by side with --baseline."""
     import json
     from pathlib import Path
 
+    from eval.progress import Bars
     from eval.report import evaluate, format_table
 
-    if not logging.getLogger().isEnabledFor(logging.INFO):
-        logging.getLogger("lm_eval").setLevel(logging.ERROR)  # lm-eval warns about our custom datasets per task
-    result = evaluate(model_spec, baseline_spec=baseline, ppl_sources=_csv(ppl), tasks=_csv(tasks), limit=limit,
-                      seqlen=seqlen, max_windows=max_windows, batch_size=batch_size)
+    _quiet_lm_eval()
+    bars = Bars(quiet)
+    try:
+        result = evaluate(model_spec, baseline_spec=baseline, ppl_sources=_csv(ppl), tasks=_csv(tasks), limit=limit,
+                          seqlen=seqlen, max_windows=max_windows, batch_size=batch_size, progress=bars)
+    finally:
+        bars.close()
     click.echo(format_table(result))
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
         click.echo(f"wrote {json_path}")
+
+
+@main.command("report")
+@click.argument("model_spec", metavar="MODEL")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Report folder (its cache is reused).")
+@click.option("--recipes", default="fp32,int8,nf4,rtn4,gptq4,awq4,awq-gptq4", show_default=True,
+              help="Comma-separated recipes applied to MODEL; fp32 is MODEL itself. Empty: none.")
+@click.option("--variants", default="", help="Comma-separated existing folders or files: checkpoint, ONNX export, .gguf.")
+@click.option("--exports", default="", help="Comma-separated FORMAT:RECIPE exports to measure, e.g. onnx-int4:rtn4,gguf:gptq4.")
+@click.option("--ppl", default="wiki", show_default=True, help="Comma-separated texts; the first one ranks the variants.")
+@click.option("--seqlen", type=int, default=512, show_default=True, help="Tokens per perplexity window.")
+@click.option("--max-windows", type=int, default=32, show_default=True, help="Perplexity/KL windows per text.")
+@click.option("--tasks", default="", help="Comma-separated lm-eval tasks (see compress eval).")
+@click.option("--limit", type=int, default=None, help="Score only the first N documents of each task.")
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--concurrency", type=int, default=8, show_default=True, help="Requests at once for the throughput column.")
+@click.option("--prompt-len", type=int, default=128, show_default=True)
+@click.option("--output-len", type=int, default=64, show_default=True)
+@click.option("--no-speed", is_flag=True, help="Skip the speed measurements.")
+@click.option("--nsamples", type=int, default=None, help="Calibration windows for every recipe (default: each recipe's).")
+@click.option("--calib-seqlen", type=int, default=None, help="Tokens per calibration window (default: each recipe's).")
+@click.option("--max-size", default=None, help="Size budget of the 'most accurate' recommendation, e.g. 120MB "
+              "[default: 30% of the baseline].")
+@click.option("--max-ppl-increase", type=float, default=5.0, show_default=True,
+              help="Percent over the baseline's perplexity the 'smallest' and 'fastest' recommendations allow.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars on stderr.")
+def report_cmd(model_spec, out, recipes, variants, exports, ppl, seqlen, max_windows, tasks, limit, batch_size,
+               concurrency, prompt_len, output_len, no_speed, nsamples, calib_seqlen, max_size, max_ppl_increase,
+               quiet):
+    """Quality vs size vs speed of every variant of MODEL: report.md/.json/.html and plots in --out."""
+    import shlex
+
+    from eval.progress import Bars
+    from eval.tradeoff.config import ReportConfig, parse_size
+    from eval.tradeoff.run import run_report
+
+    cfg = ReportConfig(model=model_spec, out=out, recipes=tuple(_csv(recipes)), variants=tuple(_csv(variants)),
+                       exports=tuple(_csv(exports)), ppl=tuple(_csv(ppl)), seqlen=seqlen, max_windows=max_windows,
+                       tasks=tuple(_csv(tasks)), limit=limit, batch_size=batch_size, speed=not no_speed,
+                       concurrency=concurrency, prompt_len=prompt_len, output_len=output_len, calib_nsamples=nsamples,
+                       calib_seqlen=calib_seqlen, max_size=parse_size(max_size) if max_size else None,
+                       max_ppl_increase=max_ppl_increase)
+    _quiet_lm_eval()
+    bars = Bars(quiet)
+    try:
+        result = run_report(cfg, bars, command="compress report " + shlex.join(sys.argv[2:]))
+    finally:
+        bars.close()
+    from pathlib import Path
+
+    click.echo(Path(out, "report.md").read_text().split("\n## Plots")[0])
+    failed = [r["label"] for r in result["rows"] if r.get("error")]
+    if failed:
+        click.echo(f"failed (see the error column): {', '.join(failed)}", err=True)
+    click.echo(f"wrote {out}/report.md, report.json, report.html and the plots")
 
 
 # --- export -------------------------------------------------------------------------------------

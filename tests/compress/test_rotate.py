@@ -84,3 +84,48 @@ def test_a_model_that_does_not_match_its_map_is_refused():
     del decoder_layers(model)[0].mlp.up_proj
     with pytest.raises(ValueError, match=r"expected weights \['mlp.up_proj.weight'\] are missing"):
         residual_map(model)
+
+
+def _batches(n=4, seqlen=32, seed=0):
+    return list(torch.randint(0, 256, (n * 2, seqlen), generator=torch.Generator().manual_seed(seed)).split(2))
+
+
+@pytest.mark.parametrize("recipe", ["rot-awq-gptq4", "rot-qat4", pytest.param("rot-gptq4", marks=pytest.mark.slow),
+                                    pytest.param("rot-gptq3", marks=pytest.mark.slow)])
+def test_recipes_end_to_end_on_a_tiny_model(recipe, tmp_path):
+    from compress.checkpoint import build_quantization_config, load_quantized, save_quantized
+    from compress.config import load_recipe
+    from compress.pipeline import quantize_model
+
+    cfg = load_recipe(recipe).replace(nsamples=8, seqlen=32, batch_size=2, search_tokens=128, clip_tokens=64, steps=2,
+                                      grid=5, clip_grid=10, calib_dtype="float32")  # the path, not the accuracy
+    base = tiny_model("gemma")  # Gemma: the 1 + w norms and a tied head that the rotation unties
+    model = copy.deepcopy(base)
+    report = quantize_model(model, cfg, _batches())
+    assert report.notes["rotate"]["kind"] == "hadamard" and report.notes["rotate"]["untied_head"]
+    ids = _ids()
+    ref, out = _logits(base, ids), _logits(model, ids)
+    assert (out - ref).norm() / ref.norm() < 0.5
+    save_quantized(model, None, tmp_path / "q", build_quantization_config(model, cfg.method, cfg.scheme))
+    assert torch.equal(_logits(load_quantized(tmp_path / "q"), ids), out)
+
+
+def test_rotation_lowers_the_quantization_error_of_a_model_with_outlier_channels():
+    from compress.config import QuantizeConfig
+    from compress.pipeline import quantize_model
+
+    base = tiny_model("llama", hidden=128)
+    with torch.no_grad():  # a few loud channels, as real LLM activations have: what rotations spread out
+        for layer in base.model.layers:
+            layer.input_layernorm.weight[:4] *= 20
+            layer.post_attention_layernorm.weight[:4] *= 20
+    ids = _ids(seed=3)
+    ref = _logits(base, ids)
+    errs = {}
+    for method in ("rtn", "gptq"):
+        for rot in ("none", "hadamard"):
+            model = copy.deepcopy(base)
+            quantize_model(model, QuantizeConfig(method=method, bits=3, group_size=32, rotate=rot), _batches(n=8))
+            errs[method, rot] = (_logits(model, ids) - ref).pow(2).mean().item()
+    assert errs["rtn", "hadamard"] < 0.8 * errs["rtn", "none"]
+    assert errs["gptq", "hadamard"] < 0.8 * errs["gptq", "none"]
