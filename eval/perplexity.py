@@ -8,6 +8,7 @@ ppl = exp(mean NLL).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +41,10 @@ def window_nll_sum(logits: Tensor, ids: Tensor, chunk: int = LOSS_CHUNK) -> Tens
     return total
 
 
-def perplexity(model: nn.Module, tokenizer, texts: list[str], seqlen: int = 512, max_windows: int | None = None,
-               batch_size: int = 8) -> PplResult:
-    """Perplexity of a causal LM (any module whose forward returns ``.logits``) on ``texts``."""
-    if seqlen < 2 or batch_size < 1 or (max_windows is not None and max_windows < 1):
-        raise ValueError(f"seqlen={seqlen} must be >= 2, batch_size={batch_size} and max_windows={max_windows} >= 1")
+def token_windows(tokenizer, texts: list[str], seqlen: int, max_windows: int | None = None) -> Tensor:
+    """The protocol's windows: ``[n_windows, seqlen]`` token ids of ``texts`` joined by blank lines."""
+    if seqlen < 2 or (max_windows is not None and max_windows < 1):
+        raise ValueError(f"seqlen={seqlen} must be >= 2 and max_windows={max_windows} >= 1")
     ids = tokenize(tokenizer, "\n\n".join(texts))
     n_windows = ids.numel() // seqlen
     if max_windows is not None:
@@ -52,16 +52,35 @@ def perplexity(model: nn.Module, tokenizer, texts: list[str], seqlen: int = 512,
     if n_windows == 0:
         raise ValueError(f"the text has {ids.numel()} tokens, fewer than one window of seqlen={seqlen}: "
                          "use more text or a smaller --seqlen")
-    windows = ids[:n_windows * seqlen].view(n_windows, seqlen)  # [n_windows, seqlen]
-    params = getattr(model, "parameters", None)  # an ONNX Runtime model has none: it takes CPU tensors
-    device = next(iter(params()), torch.empty(0)).device if params else torch.device("cpu")
+    return ids[:n_windows * seqlen].view(n_windows, seqlen)  # [n_windows, seqlen]
+
+
+def model_device(model) -> torch.device:
+    """Where a model's inputs go; an ONNX Runtime model has no parameters and takes CPU tensors."""
+    params = getattr(model, "parameters", None)
+    return next(iter(params()), torch.empty(0)).device if params else torch.device("cpu")
+
+
+def perplexity(model: nn.Module, tokenizer, texts: list[str], seqlen: int = 512, max_windows: int | None = None,
+               batch_size: int = 8, progress: Callable[[int, int], None] | None = None) -> PplResult:
+    """Perplexity of a causal LM (any module whose forward returns ``.logits``) on ``texts``;
+    ``progress(windows_done, windows)`` is called after each batch."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    windows = token_windows(tokenizer, texts, seqlen, max_windows)
+    n_windows = windows.shape[0]
+    device = model_device(model)
     nll = torch.zeros((), dtype=torch.float64)
+    if progress:
+        progress(0, n_windows)
     with torch.inference_mode():
         for b in range(0, n_windows, batch_size):
             batch = windows[b:b + batch_size].to(device)
             logits = model(input_ids=batch).logits  # [b, seqlen, vocab]
             nll += window_nll_sum(logits, batch).cpu()
             del logits
+            if progress:
+                progress(min(b + batch_size, n_windows), n_windows)
     tokens = n_windows * (seqlen - 1)
     mean = nll.item() / tokens
     return PplResult(ppl=math.exp(mean), nll=mean, tokens=tokens, windows=n_windows)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from torch import nn
 
+from eval.progress import StepProgress, no_progress, quiet_third_party
+
 log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
@@ -28,7 +30,7 @@ def model_size(src, model: nn.Module) -> tuple[int, str]:
     return 0, SIZE_ON_DISK
 
 
-def _average(accuracy: dict[str, dict[str, float]]) -> float | None:
+def average_accuracy(accuracy: dict[str, dict[str, float]]) -> float | None:
     from eval.tasks import PRIMARY
 
     values = [m[PRIMARY[t]] for t, m in accuracy.items() if PRIMARY[t] in m]
@@ -36,14 +38,16 @@ def _average(accuracy: dict[str, dict[str, float]]) -> float | None:
 
 
 def evaluate_model(spec: str, texts: dict[str, list[str]], tasks: list[str], limit: int | None, seqlen: int,
-                   max_windows: int | None, batch_size: int = 8) -> dict:
-    """Load one model and measure its size, perplexity on each text and accuracy on each task."""
+                   max_windows: int | None, batch_size: int = 8, progress: StepProgress = no_progress) -> dict:
+    """Load one model and measure its size, perplexity on each text and accuracy on each task;
+    ``progress`` sees a stage per text (windows) and per task (requests), named after the model."""
     from compress.checkpoint import quantized_modules
     from compress.export.onnx_runner import is_onnx_folder, load_causal_lm
     from compress.models import load_model
     from eval.perplexity import perplexity
     from eval.tasks import run_tasks
 
+    name = Path(spec).name or spec
     start = time.perf_counter()
     if is_onnx_folder(spec):  # an exported ONNX model, run on ONNX Runtime: the artifact itself is measured
         if tasks:
@@ -51,26 +55,30 @@ def evaluate_model(spec: str, texts: dict[str, list[str]], tasks: list[str], lim
         model, tokenizer = load_causal_lm(spec)
         size, label = sum(f.stat().st_size for f in Path(spec).glob("*.onnx*") if f.is_file()), SIZE_ON_DISK
     else:
-        model, tokenizer, src = load_model(spec)
+        with quiet_third_party():
+            model, tokenizer, src = load_model(spec)
         for m in quantized_modules(model).values():
             m.cache_weight()  # dequantize once instead of on every forward
         size, label = model_size(src, model)
     seconds = {"load": time.perf_counter() - start}
     ppl_detail = {}
-    for name, t in texts.items():
+    for text, t in texts.items():
         tick = time.perf_counter()
-        ppl_detail[name] = asdict(perplexity(model, tokenizer, t, seqlen=seqlen, max_windows=max_windows,
-                                             batch_size=batch_size))
-        seconds[f"ppl {name}"] = time.perf_counter() - tick
-        log.info("%s: ppl %s = %.3f (%.0f s)", spec, name, ppl_detail[name]["ppl"], seconds[f"ppl {name}"])
+        stage = f"{name}: ppl {_label(text)}"
+        ppl_detail[text] = asdict(perplexity(model, tokenizer, t, seqlen=seqlen, max_windows=max_windows,
+                                             batch_size=batch_size,
+                                             progress=lambda d, n, s=stage: progress(s, d, n, "window")))
+        seconds[f"ppl {text}"] = time.perf_counter() - tick
+        log.info("%s: ppl %s = %.3f (%.0f s)", spec, text, ppl_detail[text]["ppl"], seconds[f"ppl {text}"])
     tick = time.perf_counter()
-    accuracy = run_tasks(model, tokenizer, tasks, limit=limit, batch_size=batch_size) if tasks else {}
+    accuracy = (run_tasks(model, tokenizer, tasks, limit=limit, batch_size=batch_size, progress=progress,
+                          label=f"{name}: ") if tasks else {})
     seconds["tasks"] = time.perf_counter() - tick
     del model
     gc.collect()
     return {"model": spec, "size_bytes": size, "size_label": label,
             "ppl": {k: v["ppl"] for k, v in ppl_detail.items()}, "ppl_detail": ppl_detail,
-            "accuracy": accuracy, "accuracy_avg": _average(accuracy), "seconds": seconds}
+            "accuracy": accuracy, "accuracy_avg": average_accuracy(accuracy), "seconds": seconds}
 
 
 def _delta(base: dict, comp: dict) -> dict:
@@ -83,14 +91,14 @@ def _delta(base: dict, comp: dict) -> dict:
 
 def evaluate(model_spec: str, baseline_spec: str | None = None, ppl_sources: list[str] | tuple[str, ...] = ("wiki",),
              tasks: list[str] | tuple[str, ...] = (), limit: int | None = None, seqlen: int = 512,
-             max_windows: int | None = None, batch_size: int = 8) -> dict:
+             max_windows: int | None = None, batch_size: int = 8, progress: StepProgress = no_progress) -> dict:
     """{"baseline", "compressed", "delta"}: each model's size, ppl per text (eval split) and accuracy per task."""
     from compress.data import load_texts
     from eval.tasks import check_tasks
 
     check_tasks(list(tasks))
     texts = {s: load_texts(s, "eval") for s in ppl_sources}  # fail on a bad source before loading any model
-    args = (texts, list(tasks), limit, seqlen, max_windows, batch_size)
+    args = (texts, list(tasks), limit, seqlen, max_windows, batch_size, progress)
     baseline = evaluate_model(baseline_spec, *args) if baseline_spec else None  # freed before the next load
     compressed = evaluate_model(model_spec, *args)
     return {"baseline": baseline, "compressed": compressed,

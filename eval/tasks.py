@@ -13,6 +13,7 @@ import logging
 import math
 import re
 
+from eval.progress import StepProgress, no_progress, quiet_third_party
 from eval.task_data import SOURCES, load_docs
 
 log = logging.getLogger(__name__)
@@ -153,23 +154,49 @@ def _metrics(result: dict) -> dict[str, float]:
     return out
 
 
-def run_tasks(model, tokenizer, tasks: list[str], limit: int | None = None,
-              batch_size: int = 8) -> dict[str, dict[str, float]]:
-    """Zero-shot lm-eval metrics per task (``limit`` = first N documents of each), e.g. {"piqa": {"acc": ...}}."""
+def _progress_lm(model, tokenizer, batch_size: int, progress: StepProgress, label: str):
+    """lm-eval's HFLM with its own bars off and ours on: one bar per task over its requests."""
+    from lm_eval.models.huggingface import HFLM
+
+    class ProgressLM(HFLM):
+        task = ""
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            self._done, self._total = 0, len(requests)
+            progress(f"{label}{self.task}", 0, self._total, "req")
+            out = super().loglikelihood(requests, disable_tqdm=True)
+            progress(f"{label}{self.task}", self._total, self._total, "req")
+            return out
+
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            logits = super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+            # one row per request, except requests sharing a context and a one-token continuation
+            self._done = min(self._done + inps.shape[0], self._total - 1)
+            progress(f"{label}{self.task}", self._done, self._total, "req")
+            return logits
+
+    return ProgressLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+
+
+def run_tasks(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 8,
+              progress: StepProgress = no_progress, label: str = "") -> dict[str, dict[str, float]]:
+    """Zero-shot lm-eval metrics per task (``limit`` = first N documents of each), e.g. {"piqa": {"acc": ...}};
+    ``progress`` sees one stage per task, ``"{label}{task}"``, counting its requests."""
     check_tasks(tasks)
     if limit is not None and limit < 1:
         raise ValueError(f"limit={limit} must be at least 1 (or None for every document)")
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    # bootstrap_iters=0: no stderr estimates (lm-eval would bootstrap the lambada perplexity in a process pool)
-    out = simple_evaluate(model=lm, tasks=[build_task(t) for t in tasks], limit=limit, bootstrap_iters=0,
-                          log_samples=False, task_manager=TaskManager(include_defaults=False))
+    lm = _progress_lm(model, tokenizer, batch_size, progress, label)
     metrics = {}
-    for t in tasks:
-        names = {m["metric"] for m in TASKS[t]["metric_list"]}
-        metrics[t] = {k: v for k, v in _metrics(out["results"][t]).items() if k in names}
-        metrics[t]["samples"] = float(out["n-samples"][t]["effective"])
+    with quiet_third_party(("lm_eval.api.task",)):
+        for t in tasks:  # one task at a time, so the bar can say which
+            lm.task = t
+            # bootstrap_iters=0: no stderr estimates (lm-eval would bootstrap the lambada perplexity in a process pool)
+            out = simple_evaluate(model=lm, tasks=[build_task(t)], limit=limit, bootstrap_iters=0,
+                                  log_samples=False, task_manager=TaskManager(include_defaults=False))
+            names = {m["metric"] for m in TASKS[t]["metric_list"]}
+            metrics[t] = {k: v for k, v in _metrics(out["results"][t]).items() if k in names}
+            metrics[t]["samples"] = float(out["n-samples"][t]["effective"])
     return metrics
