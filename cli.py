@@ -272,16 +272,32 @@ def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type, k
     click.echo(f"wrote {fmt} export to {path}")
 
 
+# serve, bench and generate (which then runs through the serving engine)
+KV_CACHE_DTYPE = click.option(
+    "--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "int8", "fp8_e4m3"]),
+    help="KV cache storage: auto (the compute dtype), or 8-bit codes with an fp16 scale per token and KV head, "
+    "about twice the tokens in the same memory (fp8_e4m3 where torch has float8_e4m3fn).")
+
+
 @main.command("generate")
 @click.argument("model_spec", metavar="MODEL")
 @click.option("--prompt", required=True, help="Text to continue.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
-def generate_cmd(model_spec, prompt, max_new_tokens):
+@KV_CACHE_DTYPE
+def generate_cmd(model_spec, prompt, max_new_tokens, kv_cache_dtype):
     """Greedy continuation of PROMPT by a model name, HF/quantized folder or exported ONNX folder."""
     from compress.export.onnx_runner import greedy_generate, load_causal_lm
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    if kv_cache_dtype != "auto":  # an 8-bit KV cache lives in the serving engine (runtime/)
+        from runtime.config import EngineConfig
+        from runtime.engine import Engine
+        from runtime.sequence import SamplingParams
+
+        engine = Engine(EngineConfig(model=model_spec, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 28))
+        click.echo(engine.generate([prompt], SamplingParams(max_tokens=max_new_tokens))[0].text)
+        return
     model, tokenizer = load_causal_lm(model_spec)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     out = greedy_generate(model, ids, max_new_tokens)
@@ -303,12 +319,15 @@ def generate_cmd(model_spec, prompt, max_new_tokens):
               "where this CPU has native bf16, else the checkpoint's own), float32, bfloat16, float16.")
 @click.option("--lm-head", default="auto", show_default=True, type=click.Choice(["auto", "fp", "int8", "int4"]),
               help="CPU LM head: auto (int8 for quantized checkpoints in bf16), fp, or rounded at load to int8/int4.")
-def serve(model_spec, host, port, draft, api_key, max_num_seqs, max_queue, max_model_len, dtype, lm_head):
+@KV_CACHE_DTYPE
+def serve(model_spec, host, port, draft, api_key, max_num_seqs, max_queue, max_model_len, dtype, lm_head,
+          kv_cache_dtype):
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     from runtime.server import serve as run_server
 
     run_server(model_spec, host=host, port=port, draft=draft, api_key=api_key, max_num_seqs=max_num_seqs,
-               max_queue=max_queue, max_model_len=max_model_len, dtype=dtype, lm_head=lm_head)
+               max_queue=max_queue, max_model_len=max_model_len, dtype=dtype, lm_head=lm_head,
+               kv_cache_dtype=kv_cache_dtype)
 
 
 def _levels(value: str) -> tuple[int, ...]:
@@ -333,9 +352,10 @@ def _levels(value: str) -> tuple[int, ...]:
               "kernels for quantized checkpoints where the CPU has bf16); the baseline rows stay float32.")
 @click.option("--lm-head", default="auto", show_default=True, type=click.Choice(["auto", "fp", "int8", "int4"]),
               help="The engine's LM head on CPU (see compress serve).")
+@KV_CACHE_DTYPE
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
 def bench(model_spec, baseline, prompt_len, output_len, concurrency, requests_per_level, jitter, repeats, no_hf, no_spec,
-          dtype, lm_head, json_path):
+          dtype, lm_head, kv_cache_dtype, json_path):
     """Throughput and latency of MODEL: transformers vs this engine, static vs continuous batching, speculative."""
     import json
     from pathlib import Path
@@ -344,7 +364,8 @@ def bench(model_spec, baseline, prompt_len, output_len, concurrency, requests_pe
 
     cfg = BenchConfig(model=model_spec, baseline=baseline, prompt_len=prompt_len, output_len=output_len,
                       concurrency=_levels(concurrency), requests_per_level=requests_per_level, jitter=jitter,
-                      repeats=repeats, hf=not no_hf, speculative=not no_spec, dtype=dtype, lm_head=lm_head)
+                      repeats=repeats, hf=not no_hf, speculative=not no_spec, dtype=dtype, lm_head=lm_head,
+                      kv_cache_dtype=kv_cache_dtype)
     result = run_bench(cfg, progress=lambda msg: click.echo(f"  running {msg}", err=True))
     click.echo(format_table(result["rows"]))
     if json_path:

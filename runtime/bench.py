@@ -41,6 +41,7 @@ class BenchConfig:
     max_model_len: int | None = None
     dtype: str = "auto"  # the engine on ``model``; transformers and the engine on ``baseline`` stay fp32
     lm_head: str = "auto"  # the engine on ``model`` (EngineConfig.lm_head)
+    kv_cache_dtype: str = "auto"  # the engine on ``model`` (EngineConfig.kv_cache_dtype)
     seed: int = 0
 
     def __post_init__(self):
@@ -211,11 +212,12 @@ def _engine_classes():
 
 
 def _build_engine(cfg: BenchConfig, model: str, max_seqs: int, draft: str | None, dtype: str = "float32",
-                  lm_head: str = "fp"):
+                  lm_head: str = "fp", kv_cache_dtype: str = "auto"):
     Engine, EngineConfig, _ = _engine_classes()
     return Engine(EngineConfig(model=model, dtype=dtype, max_num_seqs=max_seqs, kv_cache_memory=cfg.kv_cache_memory,
                                max_model_len=cfg.max_model_len, draft=draft,
-                               num_speculative_tokens=cfg.num_speculative_tokens, seed=cfg.seed, lm_head=lm_head))
+                               num_speculative_tokens=cfg.num_speculative_tokens, seed=cfg.seed, lm_head=lm_head,
+                               kv_cache_dtype=kv_cache_dtype))
 
 
 def run_bench(cfg: BenchConfig, progress=None) -> dict:
@@ -268,14 +270,15 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         del engine
         gc.collect()
 
-    engine = _build_engine(cfg, cfg.model, top, None, cfg.dtype, cfg.lm_head)
+    engine = _build_engine(cfg, cfg.model, top, None, cfg.dtype, cfg.lm_head, cfg.kv_cache_dtype)
     tag = {"float32": "", "bfloat16": "-bf16", "float16": "-fp16"}[engine.dtype]
+    tag += "" if cfg.kv_cache_dtype == "auto" else f"-kv{cfg.kv_cache_dtype}"
     engine_rows(engine, cfg.model, f"engine{tag}", static_too=True)
     if cfg.speculative:
         engine_rows(engine, cfg.model, f"engine{tag}-grounded", static_too=False, grounded=True)
         del engine
         gc.collect()
-        engine = _build_engine(cfg, cfg.model, top, "ngram", cfg.dtype, cfg.lm_head)
+        engine = _build_engine(cfg, cfg.model, top, "ngram", cfg.dtype, cfg.lm_head, cfg.kv_cache_dtype)
         engine_rows(engine, cfg.model, f"engine{tag}-ngram-spec-grounded", static_too=False, grounded=True)
     stats = engine.stats()
     del engine
