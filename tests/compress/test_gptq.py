@@ -54,3 +54,17 @@ def test_nf4_is_refused():
     _, w, h = _layer()
     with pytest.raises(ValueError, match="nf4"):
         gptq.quantize_weight(w, h.H, Scheme(4, 32, True, "nf4"))
+
+
+@pytest.mark.parametrize("scheme", [Scheme(4, 32, False), Scheme(3, 40, True)])
+def test_weighted_range_picks_each_static_group_by_the_hessian_diagonal(scheme):
+    from compress.quant import weighted_range_params
+
+    x, w, h = _layer(seed=2)
+    res = gptq.quantize_weight(w, h.H, scheme, static_groups=True, weighted_range=True)
+    # static groups take their qparams from the original weights: exactly the weighted search on each group
+    want, _ = weighted_range_params(w, scheme, h.H.diagonal())
+    assert torch.equal(res.weight.scale, want)
+    err = {k: (x @ (q.dequantize() - w).T).pow(2).mean().item()
+           for k, q in (("gptq", res.weight), ("rtn", rtn.quantize_weight(w, scheme)))}
+    assert err["gptq"] < err["rtn"]
