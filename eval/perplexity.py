@@ -61,26 +61,34 @@ def model_device(model) -> torch.device:
     return next(iter(params()), torch.empty(0)).device if params else torch.device("cpu")
 
 
+def mean_nll(model, windows: Tensor, batch_size: int = 8, progress: Callable[[int, int], None] | None = None,
+             on_logits: Callable[[Tensor, Tensor], None] | None = None) -> float:
+    """Mean next-token NLL over ``windows: [n, seqlen]``, scored ``batch_size`` windows at a time;
+    ``on_logits(batch, logits)`` sees each batch's logits (e.g. to compare them with another model's)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    n = windows.shape[0]
+    device = model_device(model)
+    nll = torch.zeros((), dtype=torch.float64)
+    if progress:
+        progress(0, n)
+    with torch.inference_mode():
+        for b in range(0, n, batch_size):
+            batch = windows[b:b + batch_size].to(device)
+            logits = model(input_ids=batch).logits  # [b, seqlen, vocab]
+            nll += window_nll_sum(logits, batch).cpu()
+            if on_logits:
+                on_logits(batch, logits)
+            del logits
+            if progress:
+                progress(min(b + batch_size, n), n)
+    return nll.item() / (n * (windows.shape[1] - 1))
+
+
 def perplexity(model: nn.Module, tokenizer, texts: list[str], seqlen: int = 512, max_windows: int | None = None,
                batch_size: int = 8, progress: Callable[[int, int], None] | None = None) -> PplResult:
     """Perplexity of a causal LM (any module whose forward returns ``.logits``) on ``texts``;
     ``progress(windows_done, windows)`` is called after each batch."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be >= 1")
     windows = token_windows(tokenizer, texts, seqlen, max_windows)
-    n_windows = windows.shape[0]
-    device = model_device(model)
-    nll = torch.zeros((), dtype=torch.float64)
-    if progress:
-        progress(0, n_windows)
-    with torch.inference_mode():
-        for b in range(0, n_windows, batch_size):
-            batch = windows[b:b + batch_size].to(device)
-            logits = model(input_ids=batch).logits  # [b, seqlen, vocab]
-            nll += window_nll_sum(logits, batch).cpu()
-            del logits
-            if progress:
-                progress(min(b + batch_size, n_windows), n_windows)
-    tokens = n_windows * (seqlen - 1)
-    mean = nll.item() / tokens
-    return PplResult(ppl=math.exp(mean), nll=mean, tokens=tokens, windows=n_windows)
+    mean = mean_nll(model, windows, batch_size, progress)
+    return PplResult(ppl=math.exp(mean), nll=mean, tokens=windows.shape[0] * (seqlen - 1), windows=windows.shape[0])

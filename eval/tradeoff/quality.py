@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eval.perplexity import model_device, token_windows, window_nll_sum
+from eval.perplexity import mean_nll, model_device, token_windows
 from eval.progress import StepProgress, no_progress, quiet_third_party
 from eval.report import SIZE_ON_DISK, average_accuracy, model_size
 from eval.tradeoff import kl
@@ -38,27 +38,15 @@ def load_variant(spec: str, kind: str):
 def score_windows(model, windows: torch.Tensor, batch_size: int, reference: nn.Module | None,
                   progress=None) -> tuple[float, torch.Tensor | None]:
     """(mean next-token NLL, per-token KL to ``reference`` or None) over ``windows: [n, seqlen]``."""
-    device = model_device(model)
-    nll = torch.zeros((), dtype=torch.float64)
     kls = []
-    n = windows.shape[0]
-    if progress:
-        progress(0, n)
-    with torch.inference_mode():
-        for b in range(0, n, batch_size):
-            batch = windows[b:b + batch_size].to(device)
-            logits = model(input_ids=batch).logits  # [b, seqlen, vocab]
-            nll += window_nll_sum(logits, batch).cpu()
-            if reference is not None:
-                ref = reference(input_ids=batch.to(model_device(reference))).logits
-                # the positions the NLL scores: each but the last predicts the next token
-                kls.append(kl.token_kl(ref[:, :-1], logits[:, :-1]))
-                del ref
-            del logits
-            if progress:
-                progress(min(b + batch_size, n), n)
-    tokens = n * (windows.shape[1] - 1)
-    return nll.item() / tokens, torch.cat(kls) if kls else None
+
+    def compare(batch: torch.Tensor, logits: torch.Tensor) -> None:
+        ref = reference(input_ids=batch.to(model_device(reference))).logits
+        # the positions the NLL scores: each but the last predicts the next token
+        kls.append(kl.token_kl(ref[:, :-1], logits[:, :-1]))
+
+    nll = mean_nll(model, windows, batch_size, progress, compare if reference is not None else None)
+    return nll, torch.cat(kls) if kls else None
 
 
 def measure_quality(spec: str, kind: str, texts: dict[str, list[str]], cfg, reference: nn.Module | None,

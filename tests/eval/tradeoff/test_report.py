@@ -14,14 +14,9 @@ FAST = ["--ppl", "wiki", "--seqlen", "32", "--max-windows", "2", "--batch-size",
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, smol_tokenizer):
+def tiny(tiny_dir):
     """A tiny random Llama folder with the SmolLM2 tokenizer (so the wiki text tokenizes as it will for real)."""
-    from tiny_models import tiny_model
-
-    path = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    tiny_model("llama", vocab=len(smol_tokenizer)).save_pretrained(path)
-    smol_tokenizer.save_pretrained(path)
-    return path
+    return tiny_dir
 
 
 @pytest.fixture(scope="module")
