@@ -17,7 +17,7 @@ class CompressGroup(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
+        except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, MemoryError) as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
 
@@ -62,17 +62,21 @@ def _mb(n: int) -> str:
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
 @click.option("--allow-pickle", is_flag=True, help="Allow pickled .bin weights (they can run code when loaded).")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the summary as JSON.")
+@click.option("--stream/--no-stream", default=None,
+              help="Hold one decoder block in memory at a time [default: wherever the method and source allow].")
+@click.option("--max-memory", default=None, help="Refuse up front when the memory estimate exceeds this, e.g. 8GB.")
 def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size, sym, act_order, seed, kv_heads,
              kv_init, kv_fit_steps, uptrain_steps, steps, lr, qat_init, rotate, overwrite, trust_remote_code, allow_pickle,
-             json_path):
+             json_path, stream, max_memory):
     """Quantize MODEL with a recipe into a packed checkpoint folder."""
     from pathlib import Path
 
     from tqdm import tqdm
 
     from compress.config import load_recipe
+    from compress.job import quantize_to_folder
+    from compress.memory import parse_size
     from compress.models import resolve
-    from compress.pipeline import quantize_to_folder
 
     cfg = load_recipe(recipe).replace(calib=calib, nsamples=nsamples, seqlen=seqlen, bits=bits, group_size=group_size,
                                       sym=sym, act_order=act_order, seed=seed, kv_heads=kv_heads,
@@ -104,7 +108,7 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
 
     try:
         res = quantize_to_folder(model_spec, cfg, out, overwrite, Path(recipe).stem, progress, trust_remote_code,
-                                 allow_pickle, train_progress)
+                                 allow_pickle, train_progress, stream, max_memory and parse_size(max_memory))
     finally:
         bar.close()
     notes = res.report.notes
@@ -121,7 +125,12 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
         click.echo(f"qat: {q['steps']} steps from {q['init']}, KL {q['loss_first']:.4f} -> {q['loss_last']:.4f} "
                    f"in {q['train_seconds']:.0f} s")
     click.echo(f"size: {_mb(res.fp_bytes)} (fp) -> {_mb(res.out_bytes)} ({res.fp_bytes / max(res.out_bytes, 1):.2f}x smaller)")
-    click.echo(f"time: {res.seconds:.1f} s (quantization {res.report.seconds:.1f} s), peak memory {_mb(res.peak_rss_bytes)}")
+    click.echo(f"time: {res.seconds:.1f} s (quantization {res.report.seconds:.1f} s), peak memory {_mb(res.peak_rss_bytes)}"
+               + (f" (estimate {_mb(res.memory['estimate_bytes'])})" if "estimate_bytes" in res.memory else ""))
+    if res.streamed:
+        m = res.memory
+        click.echo(f"streamed: one block at a time, largest {_mb(m['largest_block_bytes'])} (fp32), "
+                   f"{m['seconds_per_block']:.1f} s per block")
     click.echo(f"wrote {res.out}")
     if json_path:
         import dataclasses

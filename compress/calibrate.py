@@ -4,7 +4,8 @@
 embeddings and that one block), then for each block: the per-block algorithm observes and
 quantizes it, the driver runs the quantized block on the same inputs, and its outputs become the
 next block's inputs (the sequential scheme of GPTQ and AWQ). Only one block's activations are held
-at a time, so peak memory is the fp model plus two sets of hidden states.
+at a time, so peak memory is the fp model plus two sets of hidden states; with a streaming
+:class:`BlockStore` (compress/stream.py) only one block is materialized at a time as well.
 """
 from __future__ import annotations
 
@@ -90,15 +91,35 @@ def check_finite(hidden: list[Tensor], where: str) -> None:
 PerBlock = Callable[[int, nn.Module, BlockInputs], None]
 
 
+class BlockStore:
+    """Where the decoder blocks' weights live. This one: in the model already (nothing to do);
+    compress/stream.py's streams each block in from disk before its turn and out after it."""
+
+    def load(self, i: int, block: nn.Module) -> None:
+        pass
+
+    def release(self, i: int, block: nn.Module) -> None:
+        pass
+
+    def capture(self, model: nn.Module, batches: list[Tensor]) -> BlockInputs:
+        return capture_inputs(model, batches)
+
+
+IN_MEMORY = BlockStore()
+
+
 def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
-                   progress: Callable[[int, int], None] | None = None, autocast: torch.dtype | None = None) -> None:
+                   progress: Callable[[int, int], None] | None = None, autocast: torch.dtype | None = None,
+                   store: BlockStore = IN_MEMORY) -> None:
     """Call ``per_block(i, block, inputs)`` for each decoder block in order, feeding each block the
     outputs of the already-processed (quantized) previous block."""
     layers = decoder_layers(model)
-    inputs = capture_inputs(model, batches)
+    store.load(0, layers[0])
+    inputs = store.capture(model, batches)
     inputs.autocast = autocast
     check_finite(inputs.hidden, "entering block 0")
     for i, block in enumerate(layers):
+        store.load(i, block)
         per_block(i, block, inputs)
         cached = [m for m in block.modules() if hasattr(m, "cache_weight")]  # packed linears just swapped in
         for m in cached:  # dequantize once for all batches, not once per batch
@@ -106,6 +127,7 @@ def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
         outputs = inputs.forward(block)
         for m in cached:
             m.cache_weight(False)
+        store.release(i, block)
         check_finite(outputs, f"after block {i}")
         inputs = BlockInputs(outputs, inputs.kwargs, autocast)
         if progress:

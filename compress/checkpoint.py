@@ -10,8 +10,9 @@ Layout of a folder written by ``compress quantize``:
   (packed experts, see compress/moe_packed.py; routers stay fp).
   Every quantized linear is listed in ``modules``: per-layer exceptions are explicit, nothing is
   inferred from names or shapes.
-- ``model.safetensors``: fp tensors for everything else and, per quantized linear,
-  ``qweight``/``scales``/``qzeros``/``g_idx`` as documented in compress/qlinear.py.
+- ``model.safetensors`` (or, from a streamed run, one shard per decoder block plus one for the rest,
+  listed by ``model.safetensors.index.json``): fp tensors for everything else and, per quantized
+  linear, ``qweight``/``scales``/``qzeros``/``g_idx`` as documented in compress/qlinear.py.
 - tokenizer files and ``generation_config.json``.
 """
 from __future__ import annotations
@@ -165,11 +166,15 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_r
         from compress.moe import swap_in_packed_experts
 
         swap_in_packed_experts(model, qc["moe"])
-    state = load_file(str(path / "model.safetensors"))
+    from compress.shards import shard_files
+
+    state = {}
+    for f in shard_files(path):  # model.safetensors, or the shards a streamed run writes
+        state.update(load_file(str(f)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
-        raise ValueError(f"{path}/model.safetensors does not match its config: missing {sorted(set(missing) - tied)[:5]}, "
+        raise ValueError(f"{path}'s weights do not match its config: missing {sorted(set(missing) - tied)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
     if tied:
         model.tie_weights()

@@ -94,13 +94,29 @@ def load_tokenizer(src: ModelSource, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file, trust_remote_code=trust_remote_code)
 
 
+def _gguf_cache_path(src: ModelSource) -> Path:
+    gguf = src.path / src.gguf_file
+    stat = gguf.stat()
+    return _cache_dir() / "gguf" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+
+
+def gguf_cache(src: ModelSource) -> Path:
+    """The safetensors folder holding ``src``'s GGUF dequantized (fp32), written on first use.
+    The conversion itself (transformers') holds the whole fp model once."""
+    cache = _gguf_cache_path(src)
+    if not (cache / "config.json").is_file():
+        _load_gguf(src, torch.float32)
+        if not (cache / "config.json").is_file():
+            raise OSError(f"could not write the dequantized cache of {src.gguf_file} at {cache}: "
+                          "set COMPRESS_CACHE to a writable folder")
+    return cache
+
+
 def _load_gguf(src: ModelSource, dtype: torch.dtype) -> nn.Module:
     """GGUF -> fp model, dequantized once by transformers and cached as safetensors."""
     from transformers import AutoModelForCausalLM
 
-    gguf = src.path / src.gguf_file
-    stat = gguf.stat()
-    cache = _cache_dir() / "gguf" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    cache = _gguf_cache_path(src)
     if (cache / "config.json").is_file():
         return AutoModelForCausalLM.from_pretrained(cache, dtype=dtype)
     model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=dtype)

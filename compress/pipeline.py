@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from compress import awq, gptq, nf4, rotate, rtn
-from compress.calibrate import BlockInputs, decoder_layers, run_sequential
+from compress.calibrate import IN_MEMORY, BlockInputs, BlockStore, decoder_layers, run_sequential
 from compress.checkpoint import set_module
 from compress.config import QuantizeConfig
 from compress.mappings import KEEP_FP, BlockMap, block_map
@@ -49,12 +49,19 @@ def _data_free(scheme: Scheme) -> Callable[[Tensor], QuantizedWeight]:
 
 
 def quantize_data_free(model: nn.Module, cfg: QuantizeConfig, report: QuantizeReport,
-                       progress: Progress | None = None) -> None:
+                       progress: Progress | None = None, layout=None, store: BlockStore = IN_MEMORY) -> None:
+    """RTN / NF4 / INT8: each block's linears (and MoE experts, by ``layout``) from their weights alone."""
+    from compress import moe
+
     layers = decoder_layers(model)
     fn = _data_free(cfg.scheme)
     for i, block in enumerate(layers):
+        store.load(i, block)
         for name, lin in target_linears(block, cfg.ignore).items():
             _swap(block, name, lin, fn(lin.weight.data))
+        if layout is not None:
+            report.layers.extend(moe.quantize_block_experts(i, block, layout, cfg))
+        store.release(i, block)
         if progress:
             progress(i + 1, len(layers))
 
@@ -271,10 +278,12 @@ def _convert_kv_heads(model: nn.Module, cfg: QuantizeConfig, batches, report: Qu
 
 
 def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] | None = None,
-                   progress: Progress | None = None, train_progress: TrainProgress | None = None) -> QuantizeReport:
+                   progress: Progress | None = None, train_progress: TrainProgress | None = None,
+                   store: BlockStore = IN_MEMORY) -> QuantizeReport:
     """Quantize ``model`` in place with ``cfg``; ``batches`` of token ids are needed by gptq/awq/qat and
     uptraining. With ``cfg.kv_heads`` the KV heads are pooled (and uptrained) first; MoE experts are
-    quantized per expert (compress/moe.py)."""
+    quantized per expert (compress/moe.py). ``store`` streams the blocks in and out (compress/stream.py)
+    for the layer-by-layer methods."""
     from compress import moe
 
     report = QuantizeReport(cfg.method)
@@ -301,63 +310,8 @@ def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] 
         if layout is not None:
             per_block = _with_experts(per_block, layout, cfg, report)
         autocast = torch.bfloat16 if cfg.calib_dtype == "bfloat16" else None
-        run_sequential(model, batches, per_block, progress, autocast)
+        run_sequential(model, batches, per_block, progress, autocast, store)
     else:
-        quantize_data_free(model, cfg, report, progress)
-        if layout is not None:
-            for i, block in enumerate(decoder_layers(model)):
-                report.layers.extend(moe.quantize_block_experts(i, block, layout, cfg))
+        quantize_data_free(model, cfg, report, progress, layout, store)
     report.seconds = time.perf_counter() - t0
     return report
-
-
-@dataclass
-class QuantizeSummary:
-    out: str
-    report: QuantizeReport
-    fp_bytes: int  # the fp model's parameters in memory
-    out_bytes: int  # the written weight file
-    seconds: float
-    peak_rss_bytes: int
-
-
-def _peak_rss() -> int:
-    """Peak resident memory of this process image (VmHWM: unlike ru_maxrss, not inherited across exec)."""
-    import resource
-
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS
-
-
-def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite: bool = False,
-                       recipe: str | None = None, progress: Progress | None = None,
-                       trust_remote_code: bool = False, allow_pickle: bool = False,
-                       train_progress: TrainProgress | None = None) -> QuantizeSummary:
-    """Load ``model_spec``, calibrate if the method needs it, quantize, and write ``out`` atomically."""
-    from pathlib import Path
-
-    from compress.checkpoint import build_quantization_config, save_quantized
-    from compress.data import calibration_batches
-    from compress.models import load_model
-
-    if Path(out).exists() and not overwrite:  # fail before any heavy work
-        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
-    t0 = time.perf_counter()
-    model, tokenizer, src = load_model(model_spec, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
-    fp_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    batches = None
-    if cfg.needs_calibration:
-        ids = calibration_batches(tokenizer, cfg.calib, cfg.nsamples, cfg.seqlen, cfg.seed)
-        batches = list(ids.split(cfg.batch_size))
-    report = quantize_model(model, cfg, batches, progress, train_progress)
-    calibration = ({"source": cfg.calib, "nsamples": cfg.nsamples, "seqlen": cfg.seqlen, "seed": cfg.seed}
-                   if cfg.needs_calibration else {})
-    qc = build_quantization_config(model, cfg.method, cfg.scheme, cfg.act_order and not cfg.static_groups,
-                                   calibration, extra={"recipe": recipe, "source_model": src.name,
-                                                       "config": cfg.to_dict()})
-    save_quantized(model, tokenizer, out, qc, overwrite=overwrite)
-    out_bytes = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
-    return QuantizeSummary(str(out), report, fp_bytes, out_bytes, time.perf_counter() - t0, _peak_rss())

@@ -52,7 +52,7 @@ def _train_bar(name: str):
 
 def run_quant(name: str, out: Path, qat_steps: int | None, overwrite: bool) -> dict:
     from compress.config import load_recipe
-    from compress.pipeline import quantize_to_folder
+    from compress.job import quantize_to_folder
 
     recipe, changes = QUANT_RUNS[name]
     cfg = load_recipe(recipe).replace(**changes, steps=qat_steps if recipe == "qat4" else None)

@@ -77,13 +77,13 @@ def test_empty_or_short_calibration_source(text, msg, tiny_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]  # no partial or temporary folder
 
 
-def test_failure_mid_write_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
-    import compress.checkpoint as ckpt
-
+@pytest.mark.parametrize("stream,writer", [("--stream", "compress.stream.write_shard"),
+                                           ("--no-stream", "compress.checkpoint._unique_state")])
+def test_failure_mid_write_leaves_nothing(tiny_dir, tmp_path, monkeypatch, stream, writer):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "_unique_state", boom)
+    monkeypatch.setattr(writer, boom)
     with pytest.raises(OSError):
-        run("quantize", "--recipe", "rtn4", "--model", tiny_dir, "--group-size", 32, "--out", tmp_path / "q")
+        run("quantize", "--recipe", "rtn4", "--model", tiny_dir, "--group-size", 32, "--out", tmp_path / "q", stream)
     assert list(tmp_path.iterdir()) == []

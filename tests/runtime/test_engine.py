@@ -245,7 +245,7 @@ def test_compress_quantized_moe_matches_the_torch_quantized_model(tiny_dirs, tmp
     from compress.checkpoint import load_quantized
     from compress.config import QuantizeConfig
     from compress.moe_packed import PackedMoEExperts
-    from compress.pipeline import quantize_to_folder
+    from compress.job import quantize_to_folder
 
     out = tmp_path / "q"
     cfg = QuantizeConfig(method=method, bits=4, group_size=32, calib=str(calib_text), nsamples=8, seqlen=64,

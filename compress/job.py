@@ -1,0 +1,156 @@
+"""`compress quantize` as a function: load (or stream), calibrate, quantize, write the folder atomically.
+
+Two paths write the same tensors. Streamed (the default where it applies: a safetensors source,
+a layer-by-layer method): one decoder block in memory at a time (compress/stream.py). In memory:
+the whole fp32 model, for what needs it (QAT, GQA conversion, rotations, a quantized source).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from compress.config import QuantizeConfig
+from compress.memory import check, plan
+from compress.pipeline import Progress, QuantizeReport, TrainProgress, quantize_model
+
+STREAM_METHODS = ("rtn", "nf4", "gptq", "awq")
+
+
+@dataclass
+class QuantizeSummary:
+    out: str
+    report: QuantizeReport
+    fp_bytes: int  # the fp model's parameters in memory
+    out_bytes: int  # the written weight files
+    seconds: float
+    peak_rss_bytes: int
+    streamed: bool = False
+    memory: dict = field(default_factory=dict)  # the estimate, and the largest block held (streamed)
+
+
+def peak_rss() -> int:
+    """Peak resident memory of this process image (VmHWM: unlike ru_maxrss, not inherited across exec)."""
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS
+
+
+def why_not_streamed(src, cfg: QuantizeConfig) -> str | None:
+    """Why ``cfg`` on ``src`` needs the whole model in memory, or None when it can stream."""
+    if cfg.method not in STREAM_METHODS:
+        return f"method {cfg.method} trains the whole model"
+    if cfg.kv_heads:
+        return "GQA conversion (kv_heads) uptrains the whole model"
+    if getattr(cfg, "rotate", "none") != "none":
+        return "rotations are folded over the whole model"
+    if src.quantized:
+        return "the source is already a quantized checkpoint"
+    return None
+
+
+def stream_folder(src, trust_remote_code: bool) -> Path:
+    """The safetensors folder to stream from: the model's own, or for a GGUF its dequantized cache."""
+    from compress.models import gguf_cache
+
+    if src.gguf_file:
+        return gguf_cache(src)
+    if not any(src.path.glob("*.safetensors")):
+        raise ValueError(f"{src.path} holds no safetensors shards to stream from; pass --no-stream")
+    return src.path
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def _calibration(cfg: QuantizeConfig, tokenizer):
+    if not cfg.needs_calibration:
+        return None, {}
+    from compress.data import calibration_batches
+
+    ids = calibration_batches(tokenizer, cfg.calib, cfg.nsamples, cfg.seqlen, cfg.seed)
+    return list(ids.split(cfg.batch_size)), {"source": cfg.calib, "nsamples": cfg.nsamples, "seqlen": cfg.seqlen,
+                                             "seed": cfg.seed}
+
+
+def _quantization_config(model, cfg: QuantizeConfig, calibration: dict, recipe: str | None, src) -> dict:
+    from compress.checkpoint import build_quantization_config
+
+    return build_quantization_config(model, cfg.method, cfg.scheme, cfg.act_order and not cfg.static_groups,
+                                     calibration, extra={"recipe": recipe, "source_model": src.name,
+                                                         "config": cfg.to_dict()})
+
+
+def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max_memory):
+    from compress.checkpoint import atomic_dir
+    from compress.models import load_tokenizer
+    from compress.shards import ShardReader
+    from compress.stream import StreamedBlocks, skeleton, write_side_files
+
+    folder = stream_folder(src, trust_remote_code)
+    model = skeleton(folder, trust_remote_code)
+    estimate = plan(model, cfg, streamed=True)
+    check(estimate, max_memory, f"streaming {src.name} with {cfg.method}")
+    tokenizer = load_tokenizer(src, trust_remote_code)
+    batches, calibration = _calibration(cfg, tokenizer)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        store = StreamedBlocks(model, ShardReader(folder), tmp)
+        report = quantize_model(model, cfg, batches, progress, store=store)
+        store.finish()
+        write_side_files(model, folder, tokenizer, tmp, _quantization_config(model, cfg, calibration, recipe, src))
+    fp_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    blocks = store.stats.block_seconds
+    memory = {"estimate_bytes": estimate.peak, "largest_block_bytes": store.stats.block_bytes,
+              "seconds_per_block": sum(blocks) / max(len(blocks), 1)}
+    return report, fp_bytes, memory, estimate
+
+
+def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_remote_code, allow_pickle, train_progress,
+               max_memory):
+    from compress.checkpoint import save_quantized
+    from compress.models import load_model
+    from compress.stream import skeleton
+
+    if not src.gguf_file and not src.quantized and any(src.path.glob("*.safetensors")):
+        estimate = plan(skeleton(src.path, trust_remote_code), cfg, streamed=False)
+        check(estimate, max_memory, f"{cfg.method} on {src.name} (the whole model in memory)")
+    else:
+        estimate = None
+    model, tokenizer, src = load_model(model_spec, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    fp_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    batches, calibration = _calibration(cfg, tokenizer)
+    report = quantize_model(model, cfg, batches, progress, train_progress)
+    save_quantized(model, tokenizer, out, _quantization_config(model, cfg, calibration, recipe, src),
+                   overwrite=overwrite)
+    return report, fp_bytes, ({"estimate_bytes": estimate.peak} if estimate else {}), estimate
+
+
+def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite: bool = False,
+                       recipe: str | None = None, progress: Progress | None = None,
+                       trust_remote_code: bool = False, allow_pickle: bool = False,
+                       train_progress: TrainProgress | None = None, stream: bool | None = None,
+                       max_memory: int | None = None) -> QuantizeSummary:
+    """Quantize ``model_spec`` with ``cfg`` into ``out``. ``stream``: None streams where the method and the
+    source allow it, True insists (an error says why not), False loads the whole model."""
+    from compress.models import resolve
+
+    if Path(out).exists() and not overwrite:  # fail before any heavy work
+        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+    t0 = time.perf_counter()
+    src = resolve(model_spec)
+    reason = why_not_streamed(src, cfg)
+    if stream and reason:
+        raise ValueError(f"cannot stream {src.name}: {reason}; drop --stream")
+    if stream is not False and reason is None:
+        report, fp_bytes, memory, _ = _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code,
+                                                max_memory)
+    else:
+        report, fp_bytes, memory, _ = _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_remote_code,
+                                                 allow_pickle, train_progress, max_memory)
+    return QuantizeSummary(str(out), report, fp_bytes, _size(Path(out)), time.perf_counter() - t0, peak_rss(),
+                           streamed=stream is not False and reason is None, memory=memory)

@@ -1,0 +1,97 @@
+"""How much memory a quantization run needs, estimated from the config alone, before any weight is read.
+
+The figures are upper estimates of the resident set: the process itself (torch, transformers), the
+weights held at once (one decoder block when streaming, the whole model otherwise; training adds
+gradients, Adam's two moments and a teacher copy), the calibration activations (inputs and outputs
+of a block, fp32) and the method's own statistics (GPTQ Hessians, AWQ's sampled rows).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+BASE_BYTES = 900 << 20  # python + torch + transformers + tokenizer, measured at about 0.7-0.9 GB
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30,
+          "T": 1 << 40, "TB": 1 << 40, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"8GB"``, ``"512 MiB"``, ``"1.5G"`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read memory size {text!r}; write e.g. 8GB, 512MB or 1.5GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def available_bytes() -> int | None:
+    """MemAvailable of this machine (Linux), or None where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights: int  # fp32 weights resident at once
+    activations: int
+    statistics: int
+    training: int = 0  # gradients, optimizer state and the teacher, for QAT / uptraining
+
+    @property
+    def peak(self) -> int:
+        return BASE_BYTES + self.weights + self.activations + self.statistics + self.training
+
+    def describe(self) -> str:
+        parts = [f"weights {gib(self.weights)}", f"activations {gib(self.activations)}",
+                 f"statistics {gib(self.statistics)}"] + ([f"training {gib(self.training)}"] if self.training else [])
+        return f"about {gib(self.peak)} ({', '.join(parts)}, process {gib(BASE_BYTES)})"
+
+
+def plan(model: nn.Module, cfg, streamed: bool) -> MemoryPlan:
+    """The estimate for quantizing ``model`` (a meta skeleton is enough) with ``cfg``."""
+    from compress.calibrate import decoder_layers
+
+    layers = decoder_layers(model)
+    block = max(_numel(b) for b in layers) * 4
+    linears = [m for m in layers[0].modules() if isinstance(m, nn.Linear)]
+    widest = max((m.in_features for m in linears), default=0)
+    calib = cfg.needs_calibration
+    hidden = model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config") \
+        else model.config.hidden_size
+    tokens = cfg.nsamples * cfg.seqlen if calib else 0
+    activations = 3 * tokens * hidden * 4  # a block's inputs, its outputs, and one batch's intermediates
+    statistics = 0
+    if cfg.method == "gptq" or getattr(cfg, "rounding", "rtn") == "gptq":
+        statistics = sum(m.in_features ** 2 for m in linears) * 4 + 3 * widest ** 2 * 4  # Hessians + inverse
+    if cfg.method == "awq":
+        statistics += len(linears) * cfg.search_tokens * widest * 4
+    if streamed:  # one fp32 block, its stored copy while loading, the packed result
+        return MemoryPlan(2 * block, activations, statistics)
+    whole = _numel(model) * 4
+    training = 0
+    if cfg.method == "qat" or cfg.uptrain_steps or cfg.kv_fit_steps:
+        training = 3 * whole + whole  # gradients + Adam's two moments, and the fp teacher
+    return MemoryPlan(whole + block, activations, statistics, training)
+
+
+def check(p: MemoryPlan, max_memory: int | None, what: str) -> None:
+    """Refuse before any work when the estimate exceeds ``--max-memory`` or what the machine has free."""
+    avail = available_bytes()
+    if max_memory is not None and p.peak > max_memory:
+        raise MemoryError(f"{what} needs {p.describe()}, more than --max-memory {gib(max_memory)}; "
+                          "raise --max-memory, or lower --nsamples/--seqlen")
+    if max_memory is None and avail is not None and p.peak > avail:
+        raise MemoryError(f"{what} needs {p.describe()}, and this machine has {gib(avail)} free; "
+                          "free memory, lower --nsamples/--seqlen, or use a streaming method (rtn, gptq, awq)")

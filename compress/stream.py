@@ -1,0 +1,203 @@
+"""Streaming quantization: a model larger than RAM goes through the layer-by-layer pass one block at a time.
+
+The model is built on the ``meta`` device (parameters without storage; buffers such as rotary
+frequencies are real), and :class:`StreamedBlocks`, a :class:`~compress.calibrate.BlockStore`,
+materializes decoder block ``i`` from the source shards just before its turn (through
+transformers' own checkpoint conversion, so fused MoE experts load as ``from_pretrained`` would
+load them), writes its packed tensors to a part file once it is quantized, and sends it back to
+``meta``; at the end the parts are regrouped into ``model.safetensors`` (or ~2 GB shards and an index). The embeddings and the untied head are never materialized: calibration looks up only
+the rows its tokens use, and both are copied to the last output shard a slab of rows at a time.
+Every tensor is computed exactly as on the in-memory path (fp32, the same per-block code), so the
+two paths write the same tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from compress.calibrate import BlockInputs, BlockStore, capture_inputs, decoder_layers
+from compress.shards import Lazy, ShardReader, consolidate, write_shard
+
+DTYPE = torch.float32  # blocks are materialized (and the other tensors written) as the in-memory path loads them
+MAX_SHARD_BYTES = 2 << 30  # the output: one model.safetensors up to this size, else shards of about this size
+
+
+def skeleton(folder: Path, trust_remote_code: bool = False) -> nn.Module:
+    """The model of ``folder``'s config with every parameter on ``meta`` and its buffers real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPE, trust_remote_code=trust_remote_code)
+    return model.eval()
+
+
+def layers_prefix(model: nn.Module) -> str:
+    layers = decoder_layers(model)
+    return next(n for n, m in model.named_modules() if m is layers)
+
+
+def tied(model: nn.Module) -> bool:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return bool(getattr(cfg, "tie_word_embeddings", False))
+
+
+def _param_name(model: nn.Module, module: nn.Module | None) -> str | None:
+    if module is None:
+        return None
+    return next((f"{n}.weight" for n, m in model.named_modules() if m is module), None)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def load_tensors(model: nn.Module, tensors: dict[str, Tensor]) -> None:
+    """Load checkpoint tensors (checkpoint names) into ``model`` through transformers' own conversion."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    cfg = LoadStateDictConfig(dtype=DTYPE, weight_mapping=get_model_conversion_mapping(model))
+    with _quiet_transformers():
+        convert_and_load_state_dict_in_model(model, tensors, cfg)
+
+
+def _check_materialized(module: nn.Module, what: str, folder: Path) -> None:
+    left = [n for n, p in module.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"{folder}: the checkpoint has no tensors for {what} {', '.join(left[:4])}; "
+                         "its names do not match the model's config (a converted or partial checkpoint?)")
+
+
+def _trim() -> None:
+    """Give the freed block back to the OS: glibc keeps large freed chunks in its heap (its mmap threshold
+    grows with the sizes freed), so without this the resident set creeps up block after block."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim
+        pass
+
+
+@dataclass
+class StreamStats:
+    block_bytes: int = 0  # the largest decoder block materialized (fp32)
+    block_seconds: list[float] = field(default_factory=list)
+
+
+class StreamedBlocks(BlockStore):
+    """Decoder blocks streamed from ``reader``'s shards into ``model`` and out to shards in ``out``."""
+
+    def __init__(self, model: nn.Module, reader: ShardReader, out: Path):
+        self.model, self.reader, self.out = model, reader, out
+        self.prefix = layers_prefix(model)
+        n = len(decoder_layers(model))
+        self.block_keys: list[list[str]] = [[] for _ in range(n)]
+        self.other_keys: list[str] = []
+        for k in reader.keys():
+            head, _, rest = k.partition(f"{self.prefix}.") if k.startswith(f"{self.prefix}.") else ("", "", "")
+            idx = rest.split(".", 1)[0]
+            if idx.isdigit() and int(idx) < n:
+                self.block_keys[int(idx)].append(k)
+            else:
+                self.other_keys.append(k)
+        self.parts: list[Path] = []
+        self.stats = StreamStats()
+        self._t0 = 0.0
+        self.embed = _param_name(model, model.get_input_embeddings())
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.head = None if tied(model) else _param_name(model, head)
+        self._load_others()
+
+    def _load_others(self) -> None:
+        """Everything outside the blocks except the embeddings and the head (the final norm, ...)."""
+        big = {self.embed, self.head, "lm_head.weight"}
+        small = [k for k in self.other_keys if k not in big]
+        load_tensors(self.model, {k: self.reader.get(k) for k in small})
+        for name in (self.embed, self.head):
+            if name is not None and name not in self.reader:
+                raise ValueError(f"{self.reader.folder}: no tensor {name} in the checkpoint")
+
+    def load(self, i: int, block: nn.Module) -> None:
+        if not any(p.is_meta for p in block.parameters()):
+            return  # block 0 is loaded once before calibration captures its inputs
+        self._t0 = time.perf_counter()
+        load_tensors(self.model, {k: self.reader.get(k) for k in self.block_keys[i]})
+        _check_materialized(block, f"block {i}:", self.reader.folder)
+        self.stats.block_bytes = max(self.stats.block_bytes, sum(p.numel() * p.element_size()
+                                                                 for p in block.parameters()))
+
+    def release(self, i: int, block: nn.Module) -> None:
+        tensors = {f"{self.prefix}.{i}.{k}": v for k, v in block.state_dict().items()}
+        self._write(tensors)
+        block.to("meta")
+        _trim()
+        self.stats.block_seconds.append(time.perf_counter() - self._t0)
+
+    def capture(self, model: nn.Module, batches: list[Tensor]) -> BlockInputs:
+        """Block 0's inputs, looking up only the embedding rows the calibration tokens use."""
+        emb = model.get_input_embeddings()
+        ids = torch.unique(torch.cat([b.flatten() for b in batches]))
+        rows, start = [], 0
+        for slab in self.reader.slabs(self.embed, DTYPE):
+            stop = start + slab.shape[0]
+            rows.append(slab[ids[(ids >= start) & (ids < stop)] - start])
+            start = stop
+        full = emb.weight
+        emb.weight = nn.Parameter(torch.cat(rows), requires_grad=False)
+        try:
+            return capture_inputs(model, [torch.searchsorted(ids, b) for b in batches])
+        finally:
+            emb.weight = full
+
+    def _write(self, tensors: dict[str, Tensor | Lazy]) -> None:
+        self.parts.append(self.out / f".part-{len(self.parts):05d}.safetensors")
+        write_shard(self.parts[-1], tensors)
+
+    def finish(self) -> None:
+        """Everything outside the blocks, then the parts regrouped into the checkpoint's shards."""
+        tensors: dict[str, Tensor | Lazy] = {}
+        for k, v in self.model.state_dict().items():
+            if k.startswith(f"{self.prefix}.") or (k == "lm_head.weight" and tied(self.model)):
+                continue
+            if v.is_meta:
+                if k not in self.reader:
+                    raise ValueError(f"{self.reader.folder}: no tensor {k} in the checkpoint")
+                e = self.reader.entries[k]
+                tensors[k] = Lazy(DTYPE, e.shape, lambda k=k: self.reader.slabs(k, DTYPE))
+            else:
+                tensors[k] = v
+        self._write(tensors)
+        consolidate(self.parts, self.out, MAX_SHARD_BYTES)
+
+
+def write_side_files(model: nn.Module, src_folder: Path, tokenizer, out: Path, quantization_config: dict) -> None:
+    """config.json (with the quantization config), generation_config.json and the tokenizer."""
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    gen = src_folder / "generation_config.json"
+    if gen.is_file():
+        (out / gen.name).write_text(gen.read_text())
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)

@@ -1,0 +1,121 @@
+"""Streaming quantization writes the very tensors the in-memory path writes, holding one block at a time."""
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from compress.config import load_recipe
+from compress.job import quantize_to_folder
+from compress.shards import INDEX, shard_files
+from tiny_models import tiny_model
+
+
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in shard_files(Path(folder)):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _save(tmp_path, family, tokenizer, **kw) -> Path:
+    path = tmp_path / family
+    tiny_model(family, **{"vocab": len(tokenizer), **kw}).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family,recipe", [("llama", "rtn4"), ("qwen2", "gptq4"), ("gemma", "awq4"),
+                                           ("mixtral", "gptq4")])
+def test_streamed_equals_in_memory(tmp_path, smol_tokenizer, calib_text, family, recipe):
+    src = _save(tmp_path, family, smol_tokenizer)
+    cfg = load_recipe(recipe).replace(calib=str(calib_text), nsamples=4, seqlen=32, batch_size=2)
+    streamed = quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True)
+    whole = quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False)
+    assert streamed.streamed and not whole.streamed
+    a, b = _tensors(streamed.out), _tensors(whole.out)
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert sorted(p.name for p in Path(streamed.out).glob("*.safetensors")) == ["model.safetensors"]
+
+
+def test_large_outputs_are_sharded(tmp_path, smol_tokenizer, monkeypatch):
+    from compress import stream
+
+    monkeypatch.setattr(stream, "MAX_SHARD_BYTES", 1 << 20)
+    src = _save(tmp_path, "llama", smol_tokenizer, layers=3)
+    res = quantize_to_folder(str(src), load_recipe("rtn4"), str(tmp_path / "s"), stream=True)
+    files = sorted(p.name for p in Path(res.out).glob("*.safetensors"))
+    assert (Path(res.out) / INDEX).is_file() and len(files) > 1 and files[0].startswith("model-00001-of-")
+    assert _tensors(res.out).keys() == _tensors(quantize_to_folder(str(src), load_recipe("rtn4"), str(tmp_path / "m"),
+                                                                   stream=False).out).keys()
+
+
+def test_streamed_checkpoint_reloads_to_the_same_logits(tmp_path, smol_tokenizer):
+    from compress.checkpoint import load_quantized
+
+    src = _save(tmp_path, "llama", smol_tokenizer)
+    cfg = load_recipe("rtn4")
+    a = load_quantized(quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True).out)
+    b = load_quantized(quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False).out)
+    ids = torch.randint(0, len(smol_tokenizer), (1, 12))
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def _reset_peak() -> int | None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except OSError:
+        return None
+
+
+def test_streaming_holds_one_block(tmp_path, smol_tokenizer):
+    """Blocks of 36 MB (fp32) in a 290 MB model: streaming rtn grows the resident set by one block and the
+    rounding's temporaries (about 4 blocks here, whatever the depth), loading the whole model by all 8 and more."""
+    from compress.job import peak_rss
+
+    cfg = load_recipe("rtn4")
+    warm = _save(tmp_path / "warm", "llama", smol_tokenizer)  # first-use imports are not the model's memory
+    quantize_to_folder(str(warm), cfg, str(tmp_path / "w"), stream=True)
+    src = _save(tmp_path, "llama", smol_tokenizer, hidden=1024, layers=8, vocab=256)
+    block = sum(p.numel() for p in tiny_model("llama", hidden=1024, layers=1, vocab=256).model.layers.parameters()) * 4
+    if (before := _reset_peak()) is None:
+        pytest.skip("needs /proc/self/clear_refs to measure the peak")
+    res = quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True)
+    streamed = peak_rss() - before
+    assert res.memory["largest_block_bytes"] == block
+    before = _reset_peak()
+    quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False)
+    whole = peak_rss() - before
+    assert streamed < 6 * block < whole, (streamed / 2**20, whole / 2**20, block / 2**20)
+
+
+def test_max_memory_refuses_before_any_work(tmp_path, smol_tokenizer):
+    src = _save(tmp_path, "llama", smol_tokenizer)
+    with pytest.raises(MemoryError, match="--max-memory"):
+        quantize_to_folder(str(src), load_recipe("gptq4"), str(tmp_path / "o"), max_memory=1 << 20)
+    assert not (tmp_path / "o").exists()
+
+
+def test_killed_run_leaves_no_output(tmp_path, smol_tokenizer, monkeypatch):
+    from compress import stream
+
+    src = _save(tmp_path, "llama", smol_tokenizer)
+
+    def boom(self, i, block):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stream.StreamedBlocks, "release", boom)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_to_folder(str(src), load_recipe("rtn4"), str(tmp_path / "o"), stream=True)
+    assert list(tmp_path.glob("o*")) == [] and list(tmp_path.glob(".o.tmp-*")) == []
+
+
+def test_stream_refuses_what_needs_the_whole_model(tmp_path, smol_tokenizer):
+    src = _save(tmp_path, "llama", smol_tokenizer)
+    with pytest.raises(ValueError, match="trains the whole model"):
+        quantize_to_folder(str(src), load_recipe("qat4"), str(tmp_path / "o"), stream=True)
