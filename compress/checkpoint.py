@@ -98,8 +98,9 @@ def build_quantization_config(model: nn.Module, method: str, scheme: Scheme, act
 
 
 def save_quantized(model: nn.Module, tokenizer, out: str | Path, quantization_config: dict,
-                   overwrite: bool = False) -> Path:
-    """Write the quantized model atomically (temporary folder, then rename)."""
+                   overwrite: bool = False, dtypes: dict[str, torch.dtype] | None = None) -> Path:
+    """Write the quantized model atomically (temporary folder, then rename); ``dtypes`` names tensors
+    stored in another dtype than the model's (the source's own, for those quantization does not touch)."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -109,7 +110,8 @@ def save_quantized(model: nn.Module, tokenizer, out: str | Path, quantization_co
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        save_file(_unique_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        state = {k: v.to(dtypes[k]) if dtypes and k in dtypes else v for k, v in _unique_state(model).items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return out

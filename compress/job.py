@@ -114,19 +114,21 @@ def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_rem
                max_memory):
     from compress.checkpoint import save_quantized
     from compress.models import load_model
-    from compress.stream import skeleton
+    from compress.shards import ShardReader
+    from compress.stream import outer_dtypes, skeleton
 
+    estimate, dtypes = None, None
     if not src.gguf_file and not src.quantized and any(src.path.glob("*.safetensors")):
-        estimate = plan(skeleton(src.path, trust_remote_code), cfg, streamed=False)
+        skel = skeleton(src.path, trust_remote_code)
+        estimate = plan(skel, cfg, streamed=False)
         check(estimate, max_memory, f"{cfg.method} on {src.name} (the whole model in memory)")
-    else:
-        estimate = None
+        dtypes = outer_dtypes(skel, ShardReader(src.path))
     model, tokenizer, src = load_model(model_spec, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     fp_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     batches, calibration = _calibration(cfg, tokenizer)
     report = quantize_model(model, cfg, batches, progress, train_progress)
     save_quantized(model, tokenizer, out, _quantization_config(model, cfg, calibration, recipe, src),
-                   overwrite=overwrite)
+                   overwrite=overwrite, dtypes=dtypes)
     return report, fp_bytes, ({"estimate_bytes": estimate.peak} if estimate else {}), estimate
 
 

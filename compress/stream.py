@@ -6,9 +6,10 @@ materializes decoder block ``i`` from the source shards just before its turn (th
 transformers' own checkpoint conversion, so fused MoE experts load as ``from_pretrained`` would
 load them), writes its packed tensors to a part file once it is quantized, and sends it back to
 ``meta``; at the end the parts are regrouped into ``model.safetensors`` (or ~2 GB shards and an index). The embeddings and the untied head are never materialized: calibration looks up only
-the rows its tokens use, and both are copied to the last output shard a slab of rows at a time.
-Every tensor is computed exactly as on the in-memory path (fp32, the same per-block code), so the
-two paths write the same tensors.
+the rows its tokens use, and both are copied to the output a slab of rows at a time. Every tensor
+is computed exactly as on the in-memory path (fp32, the same per-block code), so the two paths write
+the same tensors; both keep the tensors outside the blocks (embeddings, head, final norm), which
+quantization does not touch, in the source's dtype (:func:`outer_dtypes`).
 """
 from __future__ import annotations
 
@@ -180,15 +181,19 @@ class StreamedBlocks(BlockStore):
         for k, v in self.model.state_dict().items():
             if k.startswith(f"{self.prefix}.") or (k == "lm_head.weight" and tied(self.model)):
                 continue
-            if v.is_meta:
-                if k not in self.reader:
-                    raise ValueError(f"{self.reader.folder}: no tensor {k} in the checkpoint")
-                e = self.reader.entries[k]
-                tensors[k] = Lazy(DTYPE, e.shape, lambda k=k: self.reader.slabs(k, DTYPE))
-            else:
-                tensors[k] = v
+            if k not in self.reader:
+                raise ValueError(f"{self.reader.folder}: no tensor {k} in the checkpoint")
+            e = self.reader.entries[k]  # outside the blocks: written in the source's own dtype
+            tensors[k] = Lazy(e.dtype, e.shape, lambda k=k, e=e: self.reader.slabs(k, e.dtype)) if v.is_meta \
+                else v.to(e.dtype)
         self._write(tensors)
         consolidate(self.parts, self.out, MAX_SHARD_BYTES)
+
+
+def outer_dtypes(model: nn.Module, reader: ShardReader) -> dict[str, torch.dtype]:
+    """The stored dtype of every floating tensor outside the decoder blocks, by name."""
+    prefix = f"{layers_prefix(model)}."
+    return {k: e.dtype for k, e in reader.entries.items() if not k.startswith(prefix) and e.dtype.is_floating_point}
 
 
 def write_side_files(model: nn.Module, src_folder: Path, tokenizer, out: Path, quantization_config: dict) -> None:

@@ -51,6 +51,19 @@ def test_large_outputs_are_sharded(tmp_path, smol_tokenizer, monkeypatch):
                                                                    stream=False).out).keys()
 
 
+def test_outer_tensors_keep_the_source_dtype(tmp_path, smol_tokenizer, calib_text):
+    """A bf16 source: embeddings, head and final norm stay bf16 on both paths (the blocks are quantized in fp32)."""
+    src = tmp_path / "bf16"
+    tiny_model("llama", vocab=len(smol_tokenizer)).to(torch.bfloat16).save_pretrained(src)
+    smol_tokenizer.save_pretrained(src)
+    cfg = load_recipe("gptq4").replace(calib=str(calib_text), nsamples=4, seqlen=32, batch_size=2)
+    a = _tensors(quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True).out)
+    b = _tensors(quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False).out)
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert {a[k].dtype for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")} == {torch.bfloat16}
+    assert a["model.layers.0.input_layernorm.weight"].dtype == torch.float32
+
+
 def test_streamed_checkpoint_reloads_to_the_same_logits(tmp_path, smol_tokenizer):
     from compress.checkpoint import load_quantized
 
