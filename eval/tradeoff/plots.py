@@ -9,6 +9,7 @@ LOG_SPAN = 10.0  # an axis whose values span this factor or more is drawn in log
 # label offsets in points (dx, dy, horizontal alignment), tried in order at growing distances
 OFFSETS = [(6, 5, "left"), (6, -11, "left"), (-6, 5, "right"), (-6, -11, "right"), (0, 9, "center"),
            (0, -15, "center"), (9, -3, "left"), (-9, -3, "right")]
+SCALES = (1, 2, 3.5, 5, 7)  # the offsets' distances, nearest first
 MARKER_PX = 5  # half-size of the box kept free around every point
 
 
@@ -50,7 +51,7 @@ def place_labels(ax, points: list[tuple[str, float, float]], fontsize: float = 8
     placed = []
     for label, x, y in points:
         best = None
-        for scale in (1, 2, 3.5):
+        for scale in SCALES:
             for dx, dy, ha in OFFSETS:
                 ann = ax.annotate(label, (x, y), xytext=(dx * scale, dy * scale), textcoords="offset points",
                                   ha=ha, fontsize=fontsize,

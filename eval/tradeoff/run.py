@@ -13,6 +13,7 @@ from eval.progress import Bars
 from eval.tradeoff import pareto, plots, render
 from eval.tradeoff.cache import StageCache, digest, write_atomic, write_atomic_bytes
 from eval.tradeoff.config import ReportConfig
+from eval.tradeoff.speed import torch_threads
 from eval.tradeoff.variants import Materializer, Variant, model_identity, plan
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class _Measure:
         self._reference = None
         model_id = model_identity(cfg.model)
         self.quality_key = digest([model_id, cfg.ppl, cfg.seqlen, cfg.max_windows, cfg.tasks, cfg.limit])
-        self.speed_key = digest([cfg.concurrency, cfg.prompt_len, cfg.output_len])
+        self.speed_key = digest([cfg.concurrency, cfg.prompt_len, cfg.output_len, torch_threads()])
 
     def reference(self):
         if self._reference is None:
@@ -71,8 +72,11 @@ class _Measure:
                     lambda: measure_quality(spec, v.kind, self.texts, self.cfg, ref(), self.bars, v.label))
         if self.cfg.speed:
             def speed():
+                from eval.progress import quiet_third_party
+
                 self.bars.note(f"{v.label}: speed")
-                return measure_speed(spec, self.cfg)
+                with quiet_third_party():  # transformers' weight-loading bar
+                    return measure_speed(spec, self.cfg)
             self._stage(row, "speed", v, self.speed_key, speed)
         gc.collect()
         return row
@@ -108,11 +112,12 @@ def _name(result: dict) -> str:
 
 
 def draw(result: dict, cfg: ReportConfig) -> dict[str, bytes]:
-    """The plots that have at least two points to show."""
+    """The plots that have at least two points to show; a folder named MODEL-X is labelled X."""
     text = Path(cfg.ppl[0]).name
-    cands = _candidates(result["rows"], cfg.ppl[0])
-    kl = {r["label"]: r["quality"]["kl"][cfg.ppl[0]]["mean"] for r in result["rows"]
-          if r.get("quality") and r["label"] in cands and r["quality"]["kl"][cfg.ppl[0]]["mean"] > 0}
+    prefix = f"{_name(result)}-"
+    cands = {k.removeprefix(prefix) or k: c for k, c in _candidates(result["rows"], cfg.ppl[0]).items()}
+    kl = {r["label"].removeprefix(prefix) or r["label"]: r["quality"]["kl"][cfg.ppl[0]]["mean"]
+          for r in result["rows"] if r.get("quality") and r["quality"]["kl"][cfg.ppl[0]]["mean"] > 0}
     size = [(k, c.size_bytes / 2**20, c.ppl) for k, c in cands.items()]
     series = {
         PLOT_FILES[0]: plots.Series(size, pareto.frontier({k: (x, y) for k, x, y in size}), "size on disk (MiB)",
@@ -137,7 +142,7 @@ def _machine() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0))}
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "threads": torch_threads()}
 
 
 def write_outputs(result: dict, cfg: ReportConfig) -> list[Path]:

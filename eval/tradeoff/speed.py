@@ -16,6 +16,13 @@ BATCH1_REQUESTS = 3  # sequential requests timed at batch 1 (medians)
 KV_CACHE_MEMORY = 1 << 28
 
 
+def torch_threads() -> int:
+    """The threads every runtime gets: torch's (OMP_NUM_THREADS), so the rows compare like with like."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _requests(tokenizer, n: int, cfg, seed: int):
     from runtime.bench_workload import make_requests
 
@@ -56,7 +63,7 @@ def onnx_speed(path: str, cfg) -> dict:
     from compress.export.onnx_runner import OnnxCausalLM
     from transformers import AutoTokenizer
 
-    model, tok = OnnxCausalLM(path), AutoTokenizer.from_pretrained(path)
+    model, tok = OnnxCausalLM(path, threads=torch_threads()), AutoTokenizer.from_pretrained(path)
     ttft, tpot = [], []
     for r in _requests(tok, 1, cfg, 1) + _requests(tok, BATCH1_REQUESTS, cfg, 2):  # the first warms up
         ids = np.asarray([r.prompt_ids], dtype=np.int64)
@@ -101,7 +108,7 @@ def llamacpp_speed(path: str, cfg) -> dict:
     if bin_dir is None:
         raise FileNotFoundError("llama.cpp is not built: run scripts/bench/llamacpp.sh (once, ~7 minutes) "
                                 "to time GGUF variants")
-    threads = str(len(os.sched_getaffinity(0)))
+    threads = str(torch_threads())
     tests = {"tg" if t["n_gen"] else "pp": float(t["avg_ts"]) for t in json.loads(_run(
         bin_dir / "llama-bench", "-m", path, "-p", str(cfg.prompt_len), "-n", str(cfg.output_len), "-r", "2",
         "-t", threads, "-o", "json"))}
