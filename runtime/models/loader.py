@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class Checkpoint:
 
     name: str
     config: dict
-    tensors: dict[str, Tensor]
+    tensors: Mapping[str, Tensor]
     quant_modules: dict[str, dict] = field(default_factory=dict)
     quant_experts: dict[str, dict] = field(default_factory=dict)  # packed MoE experts (quantization_config.moe)
     tokenizer: object | None = None
@@ -67,16 +68,29 @@ def _eos_ids(*sources) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _read_safetensors(path: Path) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
+class LazyTensors(Mapping):
+    """A folder's safetensors tensors by name, each read from disk when asked for (plain reads, no memory
+    map): building the model holds each fp tensor only until it is copied into its module, so startup
+    needs about the checkpoint's size, not twice it."""
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} holds no *.safetensors weights; the runtime reads safetensors only")
-    tensors: dict[str, Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return tensors
+    def __init__(self, path: Path):
+        from compress.shards import ShardReader
+
+        try:
+            self.reader = ShardReader(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path} holds no *.safetensors weights; the runtime reads safetensors only")
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self.reader:
+            raise KeyError(name)
+        return self.reader.get(name)
+
+    def __iter__(self):
+        return iter(self.reader.keys())
+
+    def __len__(self) -> int:
+        return len(self.reader.entries)
 
 
 def open_checkpoint(spec: str) -> Checkpoint:
@@ -104,7 +118,7 @@ def open_checkpoint(spec: str) -> Checkpoint:
         qc = read_quantization_config(src.path)
     gen_file = src.path / "generation_config.json"
     gen_eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.is_file() else None
-    return Checkpoint(src.name, cfg, _read_safetensors(src.path), qc.get("modules", {}), qc.get("moe", {}),
+    return Checkpoint(src.name, cfg, LazyTensors(src.path), qc.get("modules", {}), qc.get("moe", {}),
                       tokenizer, _eos_ids(gen_eos, cfg.get("eos_token_id"), tok_eos))
 
 
