@@ -1,0 +1,34 @@
+"""The pure helpers of scripts/bench/kv_cache.py: prompts from held-out text, greedy agreement, admission count."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "kv_cache.py"
+
+
+@pytest.fixture(scope="module")
+def kv():
+    spec = importlib.util.spec_from_file_location("kv_cache_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_held_out_prompts_skip_short_paragraphs(kv):
+    texts = ["too short", " ".join(f"w{i}" for i in range(30)), "", " ".join(f"v{i}" for i in range(24))]
+    assert kv.held_out_prompts(texts, 5, words=24) == [" ".join(f"w{i}" for i in range(24)),
+                                                        " ".join(f"v{i}" for i in range(24))]
+    assert len(kv.held_out_prompts(texts, 1, words=24)) == 1
+
+
+def test_greedy_agreement_counts_whole_and_prefix_matches(kv):
+    ref = [list(range(20)), list(range(20)), list(range(20))]
+    other = [list(range(20)), list(range(17)) + [0, 0, 0], [5] + list(range(1, 20))]
+    g = kv.greedy_agreement(ref, other)
+    assert g == {"equal": 1, "first16_equal": 2, "mean_common_prefix": (20 + 17 + 0) / 3}
+
+
+def test_admitted_is_what_the_pool_holds(kv):
+    assert kv.admitted(100, 16, 256, offered=50) == 6  # 16 blocks each
+    assert kv.admitted(1000, 16, 256, offered=50) == 50  # everything offered fits
