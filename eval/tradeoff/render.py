@@ -76,7 +76,7 @@ def notes(result: dict) -> list[str]:
         out.append(f"Speed: prompts of {s['prompt_len']} tokens, {s['output_len']} new tokens each, EOS ignored; "
                    f"TTFT/TPOT medians at batch 1, tok/s @{s['concurrency']} = output tokens per second with "
                    f"{s['concurrency']} requests at once; each row in the runtime that serves its artifact, "
-                   f"{result['machine'].get('threads', '?')} threads.")
+                   f"threads: {result['machine'].get('threads', '?')}.")
     if s["tasks"]:
         out.append(f"Accuracy: mean of {', '.join(s['tasks'])}" + (f", first {s['limit']} documents each"
                                                                      if s["limit"] else "") + ".")
