@@ -91,10 +91,14 @@ def _run_quantize(recipe: str, cfg: ReportConfig, out: Path, json_path: Path, ec
         cmd += ["--seqlen", str(cfg.calib_seqlen)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
     tail = ""
-    for chunk in iter(lambda: proc.stderr.read(256), ""):
-        tail = (tail + chunk)[-STDERR_TAIL:]
-        if echo:
-            sys.stderr.write(chunk)
+    try:
+        for chunk in iter(lambda: proc.stderr.read(256), ""):
+            tail = (tail + chunk)[-STDERR_TAIL:]
+            if echo:
+                sys.stderr.write(chunk)
+    except BaseException:  # an interrupted report (Ctrl-C) takes its child with it
+        proc.kill()
+        raise
     if proc.wait() != 0:
         lines = [x for x in tail.replace("\r", "\n").splitlines() if x.strip()]
         raise RuntimeError(f"compress quantize --recipe {recipe} failed: {lines[-1] if lines else proc.returncode}")
