@@ -6,6 +6,8 @@ import base64
 import html
 from pathlib import Path
 
+from eval.report import SIZE_ON_DISK
+
 STAR = "★"
 
 
@@ -70,8 +72,10 @@ def notes(result: dict) -> list[str]:
            f"Perplexity: eval split, {result['windows']} windows of {s['seqlen']} tokens; change in % against "
            f"{result['baseline'] or 'no baseline'}. KL: KL(fp || variant) of the next-token distributions on the "
            "same tokens, mean and 99th percentile over tokens.",
-           "Size: weight files on disk (ONNX: its .onnx files; GGUF: the file), the fp32 row the fp32 "
-           "parameters; bits/weight = 8 x size / parameters of the fp model."]
+           "Size: weight files on disk (ONNX: its .onnx files; GGUF: the file)"
+           + "".join(f"; {r['label']}: {r['quality']['size_label']}" for r in result["rows"]
+                     if r.get("quality") and r["quality"]["size_label"] != SIZE_ON_DISK)
+           + "; bits/weight = 8 x size / parameters of the fp model."]
     if s["speed"]:
         out.append(f"Speed: prompts of {s['prompt_len']} tokens, {s['output_len']} new tokens each, EOS ignored; "
                    f"TTFT/TPOT medians at batch 1, tok/s @{s['concurrency']} = output tokens per second with "
