@@ -3,7 +3,9 @@ existing folder/file. Planning checks every name before any work; materializing 
 (in a child process, so its time and peak memory are its own) and `compress export` once per variant."""
 from __future__ import annotations
 
+import codecs
 import json
+import os
 import subprocess
 import sys
 import time
@@ -89,10 +91,11 @@ def _run_quantize(recipe: str, cfg: ReportConfig, out: Path, json_path: Path, ec
         cmd += ["--nsamples", str(cfg.calib_nsamples)]
     if cfg.calib_seqlen:
         cmd += ["--seqlen", str(cfg.calib_seqlen)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
-    tail = ""
-    try:
-        for chunk in iter(lambda: proc.stderr.read(256), ""):
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tail, text = "", codecs.getincrementaldecoder("utf-8")("replace")  # a bar's blocks may straddle reads
+    try:  # os.read returns whatever the child has written so far: its bar redraws as it goes
+        for raw in iter(lambda: os.read(proc.stderr.fileno(), 4096), b""):
+            chunk = text.decode(raw)
             tail = (tail + chunk)[-STDERR_TAIL:]
             if echo:
                 sys.stderr.write(chunk)
