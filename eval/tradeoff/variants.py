@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -133,6 +134,8 @@ class Materializer:
         def quantize() -> dict:
             self.note(f"{v.label}: compress quantize --recipe {v.recipe}")
             folder.parent.mkdir(parents=True, exist_ok=True)
+            for stale in folder.parent.glob(f".{v.slug}.tmp-*"):  # left by a killed run's child
+                shutil.rmtree(stale, ignore_errors=True)
             json_path = folder.parent / f".{v.slug}.quantize.json"
             _run_quantize(v.recipe, self.cfg, folder, json_path, self.echo)
             res = json.loads(json_path.read_text())
