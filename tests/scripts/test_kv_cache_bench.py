@@ -1,18 +1,12 @@
 """The pure helpers of scripts/bench/kv_cache.py: prompts from held-out text, greedy agreement, admission count."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "kv_cache.py"
+from bench_scripts import load_bench_script
 
 
 @pytest.fixture(scope="module")
 def kv():
-    spec = importlib.util.spec_from_file_location("kv_cache_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("kv_cache")
 
 
 def test_held_out_prompts_skip_short_paragraphs(kv):

@@ -1,0 +1,13 @@
+"""Loads a script of scripts/bench/ as a module, for the tests of its pure helpers (the scripts are no package)."""
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
+
+
+def load_bench_script(name: str):
+    """scripts/bench/<name>.py, executed once as module ``<name>_bench``."""
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
