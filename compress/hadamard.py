@@ -4,7 +4,8 @@ A Hadamard matrix ``H`` of order ``n`` has entries +-1 and ``H H^T = n I``; ``H 
 every entry of the same magnitude, which is what spreads a weight's or an activation's outlier channel over all
 channels (QuaRot, QuIP#). Orders that are not a power of two are built as Kronecker products of a Sylvester
 power of two and Paley matrices (Paley I: ``q + 1`` for a prime ``q = 3 mod 4``; Paley II: ``2 (q + 1)`` for a
-prime ``q = 1 mod 4``): SmolLM2's 576 = 48 x 12 (Paley I of 47 and of 11), 1536 = 12 x 128, 960 = 60 x 16.
+prime ``q = 1 mod 4``): SmolLM2's 576 = 2 x 2 x 2 x 72 (Paley I of 71), 1536 = 4 x 384 (of 383),
+960 = 2 x 480 (of 479).
 A true Hadamard of the full order is preferred over a block-diagonal one: a block-diagonal rotation keeps an
 outlier inside its block, a full one spreads it over every channel. Orders with no construction here (e.g.
 an odd hidden size) fall back to a seeded random orthogonal matrix (QR of a Gaussian), which still folds
