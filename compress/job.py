@@ -96,6 +96,7 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
     model = skeleton(folder, trust_remote_code)
     estimate = plan(model, cfg, streamed=True)
     check(estimate, max_memory, f"streaming {src.name} with {cfg.method}")
+    fp_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # before blocks turn packed
     tokenizer = load_tokenizer(src, trust_remote_code)
     batches, calibration = _calibration(cfg, tokenizer)
     with atomic_dir(out, overwrite=overwrite) as tmp:
@@ -103,7 +104,6 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
         report = quantize_model(model, cfg, batches, progress, store=store)
         store.finish()
         write_side_files(model, folder, tokenizer, tmp, _quantization_config(model, cfg, calibration, recipe, src))
-    fp_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     blocks = store.stats.block_seconds
     memory = {"estimate_bytes": estimate.peak, "largest_block_bytes": store.stats.block_bytes,
               "seconds_per_block": sum(blocks) / max(len(blocks), 1)}

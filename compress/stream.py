@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from compress.calibrate import BlockInputs, BlockStore, capture_inputs, decoder_layers
+from compress.memory import trim
 from compress.shards import Lazy, ShardReader, consolidate, write_shard
 
 DTYPE = torch.float32  # blocks are materialized (and the other tensors written) as the in-memory path loads them
@@ -87,19 +88,6 @@ def _check_materialized(module: nn.Module, what: str, folder: Path) -> None:
                          "its names do not match the model's config (a converted or partial checkpoint?)")
 
 
-def _trim() -> None:
-    """Give the freed block back to the OS: glibc keeps large freed chunks in its heap (its mmap threshold
-    grows with the sizes freed), so without this the resident set creeps up block after block."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim
-        pass
-
-
 @dataclass
 class StreamStats:
     block_bytes: int = 0  # the largest decoder block materialized (fp32)
@@ -152,7 +140,7 @@ class StreamedBlocks(BlockStore):
         tensors = {f"{self.prefix}.{i}.{k}": v for k, v in block.state_dict().items()}
         self._write(tensors)
         block.to("meta")
-        _trim()
+        trim()
         self.stats.block_seconds.append(time.perf_counter() - self._t0)
 
     def capture(self, model: nn.Module, batches: list[Tensor]) -> BlockInputs:

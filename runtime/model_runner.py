@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from compress.memory import trim
 from runtime.kernels import qmatmul
 from runtime.kernels.attention import AttentionMetadata, fused_paged_attention, triton_paged_attention
 from runtime.kernels.fused import FUSED_CPU_OPS, select_ops
@@ -55,11 +56,15 @@ class ModelRunner:
         self.config = self.model.config
         self.ops = select_ops(self.device.type, self.dtype, fused_cpu)
         fused = self.ops is FUSED_CPU_OPS
-        self.kernel_paths = qmatmul.prepare_model(self.model, quant_kernel, self.dtype, self.device.type, fused)
+        # a model too large for copies of its weights runs from its packed codes, its fp head as it is
+        lean = self.device.type == "cpu" and quant_kernel == "auto" and qmatmul.too_large_for_copies(self.model)
+        lm_head = "fp" if lean and lm_head == "auto" else lm_head
+        self.kernel_paths = qmatmul.prepare_model(self.model, quant_kernel, self.dtype, self.device.type, fused, lean)
         self.kernel_paths.update(prepare_experts(self.model, quant_kernel, self.device.type))
-        self.lm_head_kind = self._prepare_head(lm_head, ckpt.quantized, fused)
+        self.lm_head_kind = self._prepare_head(lm_head, ckpt.quantized, fused, lean)
+        trim()  # the conversions' temporaries back to the OS before the KV pool is allocated
         self.num_prepacked = 0
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not lean:
             self.num_prepacked = qmatmul.pack_dense_linears(self.model, self.dtype, fused)
         self.model.to(self.device)
         self._allocate_kv(kv_cache_dtype)
@@ -82,7 +87,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype if fmt is None else fmt.storage, device=self.device)
         self.kv_scales = None if fmt is None else torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
 
-    def _prepare_head(self, choice: str, quantized: bool, fused: bool) -> str:
+    def _prepare_head(self, choice: str, quantized: bool, fused: bool, lean: bool = False) -> str:
         """Quantize or prepack an fp LM head on CPU (EngineConfig's ``lm_head``); returns what runs it."""
         model, head = self.model, self.model.lm_head
         if head is not None and type(head) is not nn.Linear:  # quantized by compress quantize: its own kernel
@@ -90,8 +95,10 @@ class ModelRunner:
         if self.device.type != "cpu":
             return "fp"
         choice = qmatmul.resolve_lm_head(choice, quantized, self.dtype, self.device.type)
+        if lean and choice == "fp":  # a prepacked copy would hold the head twice while it is made
+            return choice
         weight = model.embed_tokens.weight if head is None else head.weight
-        module = qmatmul.prepare_lm_head(weight, choice, self.dtype, fused)
+        module = qmatmul.prepare_lm_head(weight, choice, self.dtype, fused, lean)
         if module is not None:
             model.lm_head = module
         return choice

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compress import rtn
+from compress.memory import trim
 from compress.qlinear import QuantLinear
 from compress.quant import Scheme
 from runtime.config import LM_HEADS
@@ -203,11 +204,14 @@ def packed_path(ql: QuantLinear) -> str:
 HYBRID_MAX_ROWS = {"int4pack": 6, "int8pack": 1, "int8pack-fused": 4, "w8a8": 24, "w8a8-amx": 8}
 
 
-def prepare_linear(ql: QuantLinear, mode: str, dtype: torch.dtype, fused: bool = False) -> nn.Module:
+def prepare_linear(ql: QuantLinear, mode: str, dtype: torch.dtype, fused: bool = False,
+                   lean: bool = False) -> nn.Module:
     """The kernel module for one QuantLinear: ``mode`` "auto", "packed" (when the format allows) or "dequant";
-    ``fused``: the fused CPU kernels are loaded (runtime/kernels/cpu_ext.py) and may run it."""
+    ``fused``: the fused CPU kernels are loaded (runtime/kernels/cpu_ext.py) and may run it; ``lean``: no
+    copy larger than the checkpoint's own codes (no int8 tiles of 4-bit codes)."""
     path = packed_path(ql) if mode in ("auto", "packed") else "dense"
-    if mode in ("auto", "packed") and fused and w8a8.available() and w8a8.fits(ql) and groups_foldable(ql):
+    if (mode in ("auto", "packed") and fused and w8a8.available() and w8a8.fits(ql) and groups_foldable(ql)
+            and not (lean and ql.scheme.bits < 8)):
         path = "w8a8"
     if path == "dense":
         return DenseLinear(ql, dtype)
@@ -305,19 +309,43 @@ class TritonLinear(nn.Module):
                               None if q.bias is None else q.bias)
 
 
+# "auto" keeps a bf16 copy of every quantized weight for large calls (4x the int4 codes) and w8a8 int8 tiles
+# of 4-bit codes (2x): only while those copies take at most this share of the memory free at load
+COPY_BUDGET = 0.25
+
+
+def too_large_for_copies(model: nn.Module) -> bool:
+    """Whether bf16 copies of ``model``'s quantized weights would exceed ``COPY_BUDGET`` of free memory."""
+    from compress.memory import available_bytes, gib
+
+    copies = sum(m.in_features * m.out_features * 2 for m in model.modules() if isinstance(m, QuantLinear))
+    avail = available_bytes()
+    if avail is None or copies <= COPY_BUDGET * avail:
+        return False
+    log.info("quantized weights served from their packed codes only: bf16 copies would take %s, more than "
+             "%.0f%% of the %s free", gib(copies), 100 * COPY_BUDGET, gib(avail))
+    return True
+
+
 def prepare_model(model: nn.Module, mode: str, dtype: torch.dtype, device_type: str = "cpu",
-                  fused: bool = False) -> dict[str, int]:
-    """Replace every QuantLinear in ``model`` by its kernel module; returns how many took each path."""
+                  fused: bool = False, lean: bool = False) -> dict[str, int]:
+    """Replace every QuantLinear in ``model`` by its kernel module; returns how many took each path. ``lean``
+    (a model too large for copies of its weights, :func:`too_large_for_copies`) runs "auto" as "packed"."""
     counts: Counter[str] = Counter()
-    for name, module in list(model.named_modules()):
-        if isinstance(module, QuantLinear):
-            if device_type == "cuda" and mode in ("auto", "packed"):
-                kernel = TritonLinear(module)
-            else:
-                kernel = prepare_linear(module, mode, dtype, fused)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, kernel)
-            counts[kernel.path] += 1
+    mode = "packed" if lean and mode == "auto" else mode
+    names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]  # names only: each replaced
+    for name in names:                                                           # QuantLinear is freed at once
+        module = model.get_submodule(name)
+        if device_type == "cuda" and mode in ("auto", "packed"):
+            kernel = TritonLinear(module)
+        else:
+            kernel = prepare_linear(module, mode, dtype, fused, lean)
+        del module
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, kernel)
+        counts[kernel.path] += 1
+        if lean:  # the conversion's temporaries, returned weight by weight
+            trim()
     if counts:
         log.info("quantized linears: %s", dict(counts))
     return dict(counts)
@@ -337,11 +365,25 @@ def resolve_lm_head(choice: str, quantized_model: bool, dtype: torch.dtype, devi
     return "int8" if quantized_model and dtype == torch.bfloat16 and device_type == "cpu" else "fp"
 
 
-def prepare_lm_head(weight: Tensor, choice: str, dtype: torch.dtype, fused: bool = False) -> nn.Module | None:
+def round_rows(weight: Tensor, scheme: Scheme, rows: int = 4096) -> QuantLinear:
+    """RTN of a large fp ``weight [out, in]`` a slab of output rows at a time (its schemes are row-local), so
+    a 128k-vocabulary head never has an fp32 copy or full-size temporaries."""
+    out_f, in_f = weight.shape
+    ql = QuantLinear(in_f, out_f, scheme)
+    for s in range(0, out_f, rows):
+        part = QuantLinear.from_quantized(rtn.quantize_weight(weight[s:s + rows].detach().float(), scheme))
+        ql.qweight[s:s + rows], ql.scales[s:s + rows] = part.qweight, part.scales
+        if ql.qzeros is not None:
+            ql.qzeros[s:s + rows] = part.qzeros
+    return ql
+
+
+def prepare_lm_head(weight: Tensor, choice: str, dtype: torch.dtype, fused: bool = False,
+                    lean: bool = False) -> nn.Module | None:
     """The head module for an fp ``weight [vocab, hidden]``: quantized, prepacked bf16, or None (keep F.linear)."""
     if choice in LM_HEAD_SCHEMES:
-        qw = rtn.quantize_weight(weight.detach().float(), LM_HEAD_SCHEMES[choice])
-        return prepare_linear(QuantLinear.from_quantized(qw), "auto", dtype, fused)
+        return prepare_linear(round_rows(weight, LM_HEAD_SCHEMES[choice]), "packed" if lean else "auto", dtype,
+                              fused, lean)
     if dtype == torch.bfloat16 and mkldnn_bf16_available():
         return MkldnnLinear(weight, None)
     if dtype == torch.float32 and fused:

@@ -140,11 +140,11 @@ def _linear(ckpt: Checkpoint, name: str, in_f: int, out_f: int, dtype: torch.dty
         raise ValueError(f"checkpoint {ckpt.name} has no tensor {name}.weight (nor a quantized {name})")
     if tuple(w.shape) != (out_f, in_f):
         raise ValueError(f"{name}.weight has shape {tuple(w.shape)}, the config implies {(out_f, in_f)}")
-    lin = nn.Linear(in_f, out_f, bias=bias is not None, dtype=dtype)
-    lin.weight.data.copy_(w)
+    lin = nn.Linear(in_f, out_f, bias=bias is not None, dtype=dtype, device="meta")  # no init to throw away
+    lin.weight = nn.Parameter(w.to(dtype), requires_grad=False)
     if bias is not None:
-        lin.bias.data.copy_(bias)
-    return lin.requires_grad_(False)
+        lin.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+    return lin
 
 
 def _fusable_quant(parts: list[nn.Module]) -> bool:
@@ -178,10 +178,15 @@ def fuse(parts: list[nn.Module]) -> nn.Module:
     return ConcatLinear(parts)
 
 
-def _copy(param: Tensor, t: Tensor, name: str) -> None:
-    if param.shape != t.shape:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, the config implies {tuple(param.shape)}")
-    param.data.copy_(t)
+def _copy(param: Tensor, t: Tensor, name: str, shape: tuple[int, ...] | None = None) -> None:
+    """Fill ``param`` with ``t``; with ``shape`` (an emptied param), take ``t``'s storage instead of copying."""
+    want = tuple(param.shape) if shape is None else shape
+    if tuple(t.shape) != want:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, the config implies {want}")
+    if shape is None:
+        param.data.copy_(t)
+    else:
+        param.data = t.to(param.dtype)
 
 
 def load_mlp(ckpt: Checkpoint, mlp: nn.Module, p: str, hidden: int, inter: int, dtype: torch.dtype) -> None:
@@ -251,7 +256,9 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, max_positions: int) -> Dec
     model = DecoderLM(cfg, dtype, max_positions)
     t = ckpt.tensors
     h, d, hq, hkv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    _copy(model.embed_tokens.weight, t["model.embed_tokens.weight"], "model.embed_tokens.weight")
+    emb = model.embed_tokens.weight
+    emb.data = torch.empty(0, dtype=emb.dtype)  # the init's storage goes before the checkpoint's is read
+    _copy(emb, t["model.embed_tokens.weight"], "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
     _copy(model.norm.weight, t["model.norm.weight"], "model.norm.weight")
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
