@@ -6,6 +6,7 @@ the whole fp32 model, for what needs it (QAT, GQA conversion, rotations, a quant
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,11 +97,12 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
     model = skeleton(folder, trust_remote_code)
     estimate = plan(model, cfg, streamed=True)
     check(estimate, max_memory, f"streaming {src.name} with {cfg.method}")
-    fp_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # before blocks turn packed
+    reader = ShardReader(folder)
+    fp_bytes = sum(math.prod(e.shape) for e in reader.entries.values()) * 4  # the source's parameters in fp32
     tokenizer = load_tokenizer(src, trust_remote_code)
     batches, calibration = _calibration(cfg, tokenizer)
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        store = StreamedBlocks(model, ShardReader(folder), tmp)
+        store = StreamedBlocks(model, reader, tmp)
         report = quantize_model(model, cfg, batches, progress, store=store)
         store.finish()
         write_side_files(model, folder, tokenizer, tmp, _quantization_config(model, cfg, calibration, recipe, src))
