@@ -69,7 +69,11 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
              kv_init, kv_fit_steps, uptrain_steps, steps, lr, qat_init, rotate, overwrite, trust_remote_code, allow_pickle,
              json_path, stream, max_memory):
     """Quantize MODEL with a recipe into a packed checkpoint folder."""
+    import signal
     from pathlib import Path
+
+    # a kill (SIGTERM) unwinds like Ctrl-C, so the half-written temporary output folder is removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from tqdm import tqdm
 

@@ -87,3 +87,23 @@ def test_failure_mid_write_leaves_nothing(tiny_dir, tmp_path, monkeypatch, strea
     with pytest.raises(OSError):
         run("quantize", "--recipe", "rtn4", "--model", tiny_dir, "--group-size", 32, "--out", tmp_path / "q", stream)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_killed_quantize_leaves_nothing(tiny_dir, tmp_path, calib_text):
+    """SIGTERM mid-run (what a scheduler or `compress report` sends) removes the temporary output folder."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-c", "import cli; cli.main()", "quantize", "--recipe", "gptq4", "--model", str(tiny_dir),
+           "--group-size", "32", "--calib", str(calib_text), "--nsamples", "64", "--seqlen", "64",
+           "--out", str(tmp_path / "q")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".q.tmp-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None and list(tmp_path.glob(".q.tmp-*")), "no run to kill mid-write"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert list(tmp_path.iterdir()) == []

@@ -68,7 +68,7 @@ def identical(a: Path, b: Path) -> str:
 
 def quantize(name: str, spec: str, recipe: str, args, mode: str = "--stream") -> dict:
     out = ROOT / "out" / "mem" / f"{name}-{recipe}{'' if mode == '--stream' else '-in-memory'}"
-    report = out.with_suffix(".json")
+    report = out.parent / f"{out.name}.json"
     cmd = [str(COMPRESS), "quantize", "--model", spec, "--recipe", recipe, "--out", str(out), "--overwrite",
            "--json", str(report), mode]
     if args.nsamples:
