@@ -67,9 +67,9 @@ def shard_files(folder: Path) -> list[Path]:
 class ShardReader:
     """Every tensor of a folder's safetensors shards, by name; nothing is read until asked."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, files: list[Path] | None = None):
         self.folder = Path(folder)
-        files = shard_files(self.folder)
+        files = shard_files(self.folder) if files is None else files
         if not files:
             raise FileNotFoundError(f"{self.folder} holds no *.safetensors weights")
         self.entries: dict[str, Entry] = {}
@@ -173,8 +173,9 @@ def consolidate(parts: list[Path], folder: Path, max_shard_bytes: int) -> None:
     for name, group in zip(names, groups):
         tensors: dict[str, Tensor | Lazy] = {}
         for p in group:
-            for key, e in read_header(p).items():
-                tensors[key] = Lazy(e.dtype, e.shape, lambda p=p, key=key, e=e: _part_slabs(p, key, e))
+            reader = ShardReader(p.parent, [p])
+            for key, e in reader.entries.items():
+                tensors[key] = Lazy(e.dtype, e.shape, lambda reader=reader, key=key, e=e: reader.slabs(key, e.dtype))
         total += write_shard(folder / name, tensors)
         weight_map.update({k: name for k in tensors})
         for p in group:
@@ -183,7 +184,3 @@ def consolidate(parts: list[Path], folder: Path, max_shard_bytes: int) -> None:
         write_index(folder, weight_map, total)
 
 
-def _part_slabs(path: Path, key: str, e: Entry) -> Iterator[Tensor]:
-    reader = ShardReader.__new__(ShardReader)
-    reader.folder, reader.entries = path.parent, {key: e}
-    return reader.slabs(key, e.dtype)

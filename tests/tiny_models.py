@@ -46,3 +46,12 @@ def tiny_model(family: str, seed: int = 0, **kw):
             if "norm" in n:
                 p.add_(torch.randn_like(p) * 0.1)
     return model
+
+
+def loud_channels(model, n: int = 4, factor: float = 20.0):
+    """A few loud input channels in every block, as real LLM activations have (what AWQ and rotations are for)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight[:n] *= factor
+            layer.post_attention_layernorm.weight[:n] *= factor
+    return model

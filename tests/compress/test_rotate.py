@@ -2,7 +2,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import FAMILIES, MOE_FAMILIES, tiny_model
+from tiny_models import FAMILIES, MOE_FAMILIES, tiny_model, loud_channels
 
 from compress.calibrate import decoder_layers
 from compress.mappings import block_map
@@ -114,11 +114,7 @@ def test_rotation_lowers_the_quantization_error_of_a_model_with_outlier_channels
     from compress.config import QuantizeConfig
     from compress.pipeline import quantize_model
 
-    base = tiny_model("llama", hidden=128)
-    with torch.no_grad():  # a few loud channels, as real LLM activations have: what rotations spread out
-        for layer in base.model.layers:
-            layer.input_layernorm.weight[:4] *= 20
-            layer.post_attention_layernorm.weight[:4] *= 20
+    base = loud_channels(tiny_model("llama", hidden=128))
     ids = _ids(seed=3)
     ref = _logits(base, ids)
     errs = {}
