@@ -26,41 +26,18 @@ import torch
 from torch import Tensor, nn
 
 from compress.config import KV_INITS, UPTRAIN_SCOPES
+from compress.families import AttnLayout, require
 from compress.gqa_fit import FitProgress, FitResult
 from compress.train import TrainConfig, TrainProgress, TrainResult, distill
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class AttnLayout:
-    """Where a decoder block keeps its attention and which projections produce keys and values."""
-
-    attn: str = "self_attn"
-    q: str = "q_proj"
-    k: str = "k_proj"
-    v: str = "v_proj"
-    o: str = "o_proj"
-    rope_keys: bool = True  # keys are q.k-scored right after rotate_half RoPE (no per-head q/k norm in between)
-
-
 FIT_WINDOWS = 256  # calibration windows that layer-wise fitting learns from (32 batches of 8; 64 overfit)
 FIT_BATCH = 8
 
-_STD = AttnLayout()
-_QK_NORM = AttnLayout(rope_keys=False)
-# olmo/olmoe normalise k over all KV heads at once (k_norm of width K * head_dim): no exact pooling, left out
-ATTN_LAYOUTS: dict[str, AttnLayout] = {
-    **{t: _STD for t in ("llama", "mistral", "qwen2", "gemma", "gemma2", "mixtral", "qwen2_moe")},
-    **{t: _QK_NORM for t in ("qwen3", "qwen3_moe", "gemma3_text")},
-}
-
-
 def attn_layout(model_type: str) -> AttnLayout:
-    if model_type not in ATTN_LAYOUTS:
-        raise ValueError(f"model_type {model_type!r} has no attention layout in compress/gqa.py; "
-                         f"KV-head conversion supports: {', '.join(sorted(ATTN_LAYOUTS))}")
-    return ATTN_LAYOUTS[model_type]
+    return require(model_type, "gqa").attn
 
 
 def head_dim(config) -> int:

@@ -3,7 +3,7 @@ it during calibration (GPTQ with a per-expert Hessian, or AWQ's up->down scale a
 or data-free RTN/NF4), then each layer's experts are packed into one
 :class:`compress.moe_packed.PackedMoEExperts`. An expert routed fewer than ``moe_min_tokens`` tokens
 is RTN-quantized with a logged warning: never left in fp, never fed an empty Hessian. The router
-stays in fp. Which module holds the experts is data (``EXPERT_LAYOUTS``), keyed by model_type.
+stays in fp. Which module holds the experts is data (compress/families.py), keyed by model_type.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from compress import awq, gptq, nf4, rtn
+from compress.families import FAMILIES, ExpertLayout, supported
 from compress.moe_packed import PackedLinears, PackedMoEExperts
 from compress.quant import QuantizedWeight, Scheme
 
@@ -22,29 +23,17 @@ log = logging.getLogger(__name__)
 DEFAULT_MIN_TOKENS = 32
 
 
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Where a decoder block keeps its fused experts (relative name) and their two 3D parameters."""
-
-    experts: str = "mlp.experts"
-    gate_up: str = "gate_up_proj"  # [E, 2I, H]: gate rows then up rows
-    down: str = "down_proj"  # [E, H, I]
-
-
-EXPERT_LAYOUTS: dict[str, ExpertLayout] = {t: ExpertLayout() for t in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")}
-
-
 def expert_layout(model: nn.Module, cfg) -> ExpertLayout | None:
     """The model's expert layout (``None`` for a dense model), after checking ``cfg`` fits the model."""
     from compress.calibrate import decoder_layers
 
     mt = model.config.model_type
-    layout = EXPERT_LAYOUTS.get(mt)
+    layout = FAMILIES[mt].experts if mt in FAMILIES else None
     if layout is None:
         fused = [n for n, p in decoder_layers(model)[0].named_parameters() if p.ndim == 3]
         if fused:
             raise ValueError(f"model_type {mt!r} keeps fused 3D expert weights ({', '.join(fused)}) but "
-                             f"compress/moe.py has no layout for it; supported MoE types: {', '.join(EXPERT_LAYOUTS)}")
+                             f"compress/families.py gives it no expert layout; supported MoE types: {', '.join(supported('moe'))}")
         if cfg.moe_min_tokens is not None:
             raise ValueError(f"moe_min_tokens={cfg.moe_min_tokens} applies to mixture-of-experts models, and "
                              f"{mt!r} is dense: remove it from the recipe")

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from compress.hadamard import random_hadamard
-from compress.mappings import BLOCK_MAPS, BlockMap, Residual
+from compress.families import FAMILIES, BlockMap, Residual, require
 
 log = logging.getLogger(__name__)
 ROTATIONS = ("none", "hadamard")
@@ -96,19 +96,16 @@ def residual_map(model: nn.Module) -> tuple[BlockMap, Residual]:
     from compress.calibrate import decoder_layers
 
     mt = model.config.model_type
-    bmap = BLOCK_MAPS.get(mt)
-    if bmap is None or bmap.residual is None:
-        why = bmap.no_rotation if bmap is not None else "compress/mappings.py has no map of its residual stream"
-        raise ValueError(f"rotate: model_type {mt!r} cannot be rotated: {why}; use rotate: none "
-                         f"(families that can: {', '.join(t for t, b in BLOCK_MAPS.items() if b.residual)})")
-    res = bmap.residual
+    bmap = FAMILIES[mt].smooth if mt in FAMILIES else None
+    why = bmap.no_rotation if bmap is not None else "compress/families.py has no map of its residual stream"
+    res = require(mt, "rotate", f"{why}; use rotate: none").smooth.residual
     block = decoder_layers(model)[0]
     names = [n for norm, readers in res.reads for n in (norm, *readers)] + [*res.writes, *res.values]
     missing = [n for n in names if not _has(block, n)]
     missing += [n for n in (res.final_norm,) if not _has(model, n + ".weight")]
     if missing:
         raise ValueError(f"rotate: model_type {mt!r}: expected weights {missing} are missing, so the rotation "
-                         "cannot be folded; the mapping in compress/mappings.py does not fit this model")
+                         "cannot be folded; the map in compress/families.py does not fit this model")
     biased = [norm for norm, _ in res.reads if _has(block, norm.removesuffix("weight") + "bias")]
     if biased:
         raise ValueError(f"rotate: model_type {mt!r}: norms {biased} have a bias (LayerNorm, not RMSNorm); "

@@ -2,6 +2,8 @@
 import torch
 
 FAMILIES = ("llama", "qwen2", "mistral", "gemma", "qwen3")
+# families whose every step is being brought up (issue 15); each moves into FAMILIES once it passes the chain
+NEW_FAMILIES = ("gemma2", "gemma3_text", "phi3", "olmo2", "granite")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # 4 experts, top-2
 NUM_EXPERTS = 4
 
@@ -21,6 +23,24 @@ def tiny_config(family: str, hidden: int = 64, vocab: int = 256, layers: int = 2
         return tf.GemmaConfig(**common, head_dim=hidden // 4, hidden_act="gelu_pytorch_tanh")
     if family == "qwen3":
         return tf.Qwen3Config(**common, head_dim=hidden // 4)
+    if family == "gemma2":  # sliding and global layers alternate; attention and final logits soft-capped
+        return tf.Gemma2Config(**common, head_dim=hidden // 4, sliding_window=8, query_pre_attn_scalar=hidden // 4,
+                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    if family == "gemma3_text":  # q/k norms, local rope base on sliding layers, 5:1 pattern cut to 2 layers
+        return tf.Gemma3TextConfig(**common, head_dim=hidden // 4, sliding_window=8, query_pre_attn_scalar=hidden // 4,
+                                   layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                                   + ["sliding_attention"] * (layers % 2),
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1_000_000.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 10_000.0}})
+    if family == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint, partial rotary
+        return tf.Phi3Config(**common, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "olmo2":  # norms after attention and MLP only, q/k norm over the whole projection
+        return tf.Olmo2Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "granite":  # embedding, residual, attention and logit multipliers
+        return tf.GraniteConfig(**common, embedding_multiplier=6.0, residual_multiplier=0.5,
+                                attention_multiplier=0.2, logits_scaling=4.0)
     moe = {**common, "intermediate_size": 3 * hidden // 2, "num_experts_per_tok": 2}
     if family == "mixtral":
         return tf.MixtralConfig(**moe, num_local_experts=NUM_EXPERTS)

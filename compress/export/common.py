@@ -10,13 +10,11 @@ import torch
 from torch import Tensor, nn
 
 from compress.checkpoint import quantized_modules
+from compress.families import require
 from compress.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)
 
-# Decoder families whose graph the ONNX exporters trace (standard per-layer key/value cache):
-# model knowledge as data, keyed by config.model_type.
-ONNX_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
@@ -50,9 +48,7 @@ def load_source(spec: str) -> Source:
 
 
 def check_onnx_architecture(model_type: str, fmt: str) -> None:
-    if model_type not in ONNX_ARCHITECTURES:
-        raise ValueError(f"--format {fmt} does not handle model_type {model_type!r}; "
-                         f"supported: {', '.join(ONNX_ARCHITECTURES)}")
+    require(model_type, "onnx")
 
 
 def tied_lm_head(model: nn.Module) -> bool:

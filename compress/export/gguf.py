@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from compress.export import gguf_arch, gguf_quants
 from compress.export.common import Source, fp_tensors
-from compress.mappings import BLOCK_MAPS
+from compress.families import FAMILIES
 from compress.moe_packed import PackedLinears, PackedMoEExperts
 from compress.qlinear import QuantLinear
 from compress.quant import QuantizedWeight, Scheme
@@ -162,7 +162,7 @@ def _float_type(gguf_name: str, t: Tensor, embed_type: str) -> str:
 
 def _finish(name: str, enc: Encoded, model: nn.Module, arch: gguf_arch.GGUFArch) -> Encoded:
     """llama.cpp's conventions on top of the values: Gemma's norm offset, Llama's q/k rotary rows."""
-    offset = BLOCK_MAPS[model.config.model_type].norm_offset if model.config.model_type in BLOCK_MAPS else 0.0
+    offset = FAMILIES[model.config.model_type].norm_offset
     if offset and name.endswith("norm.weight"):
         enc = replace(enc, data=enc.data + offset)
     heads = gguf_arch.rope_heads(name.rsplit(".", 1)[0], model.config, arch)

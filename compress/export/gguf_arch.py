@@ -9,27 +9,11 @@ rows of a quantized tensor is exact: GGUF blocks run along the input dimension, 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from torch import Tensor
 
+from compress.families import GGUFArch, require
 
-@dataclass(frozen=True)
-class GGUFArch:
-    name: str  # general.architecture
-    permute_qk: bool  # interleave the rows of each q/k head for NORM rope
-
-
-ARCHS: dict[str, GGUFArch] = {
-    "llama": GGUFArch("llama", True),
-    "mistral": GGUFArch("llama", True),
-    "mixtral": GGUFArch("llama", True),  # llama.cpp runs Mixtral as llama with experts
-    "qwen2": GGUFArch("qwen2", False),
-    "qwen2_moe": GGUFArch("qwen2moe", False),
-    "qwen3": GGUFArch("qwen3", False),
-    "qwen3_moe": GGUFArch("qwen3moe", False),
-    "gemma": GGUFArch("gemma", False),
-}
 
 # Hugging Face module name -> GGUF tensor name ("weight"/"bias" is appended); blocks are "blk.{i}".
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -74,9 +58,7 @@ UINT_HPARAMS = (
 
 
 def arch_of(model_type: str) -> GGUFArch:
-    if model_type not in ARCHS:
-        raise ValueError(f"--format gguf does not handle model_type {model_type!r}; supported: {', '.join(ARCHS)}")
-    return ARCHS[model_type]
+    return require(model_type, "gguf").gguf
 
 
 def gguf_names(module: str) -> tuple[str, ...]:

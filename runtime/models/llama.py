@@ -1,10 +1,10 @@
 """The runtime's decoder for the Llama family (llama, mistral, qwen2, qwen3, gemma) and its
 mixture-of-experts relatives (mixtral, qwen2_moe, qwen3_moe, olmoe).
 
-The families differ only in data (``ARCHS``, keyed by ``config.model_type``): Qwen3 normalizes q and k
+The families differ only in data (compress/families.py, keyed by ``config.model_type``): Qwen3 normalizes q and k
 per head before RoPE, OLMoE over the whole q and k projections (and may clip q/k/v to ``clip_qkv``),
 Gemma scales embeddings by sqrt(hidden) and stores RMSNorm weights as ``w - 1``; MoE families replace
-the MLP of their sparse layers by runtime/models/moe.py's ``SparseMoE``, configured by ``Arch.moe``.
+the MLP of their sparse layers by runtime/models/moe.py's ``SparseMoE``, configured by ``Family.moe``.
 Biases follow the checkpoint (Qwen2's q/k/v biases are simply present there). The forward takes
 token ids, positions and the attention metadata explicitly: ``model(input_ids, positions, meta)``
 returns final hidden states ``[T, hidden]``; ``compute_logits`` runs the LM head on the rows that
@@ -20,35 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from compress.families import FAMILIES, Family, require
 from runtime.kernels.attention import AttentionMetadata, paged_attention
 from runtime.kernels.fused import TORCH_OPS, Ops
 from runtime.models.layers import ACTIVATIONS, RMSNorm, Rotary
-from runtime.models.moe import MoEArch, MoEConfig, SparseMoE
-
-
-@dataclass(frozen=True)
-class Arch:
-    """What one model family does differently from Llama."""
-
-    qk_norm: str = ""  # RMSNorm on q and k before RoPE: "head" per head (Qwen3), "proj" whole projection (OLMoE)
-    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + w) (Gemma: 1)
-    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
-    default_act: str = "silu"
-    moe: MoEArch | None = None  # mixture-of-experts MLP (runtime/models/moe.py)
-
-
-ARCHS = {
-    "llama": Arch(),
-    "mistral": Arch(),
-    "qwen2": Arch(),
-    "qwen3": Arch(qk_norm="head"),
-    "gemma": Arch(norm_offset=1.0, embed_scale=True, default_act="gelu_pytorch_tanh"),
-    "mixtral": Arch(moe=MoEArch(intermediate_key="intermediate_size", always_renormalize=True, fp32_weights=True,
-                                legacy_block="block_sparse_moe", legacy_names=("w1", "w3", "w2"))),
-    "qwen2_moe": Arch(moe=MoEArch(shared_expert=True, sparse_step=True)),
-    "qwen3_moe": Arch(qk_norm="head", moe=MoEArch(sparse_step=True)),
-    "olmoe": Arch(qk_norm="proj", moe=MoEArch(intermediate_key="intermediate_size")),
-}
+from runtime.models.moe import MoEConfig, SparseMoE
 
 
 @dataclass(frozen=True)
@@ -75,8 +51,8 @@ class ModelConfig:
     moe: MoEConfig | None = None
 
     @property
-    def arch(self) -> Arch:
-        return ARCHS[self.model_type]
+    def arch(self) -> Family:
+        return FAMILIES[self.model_type]
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window: every layer's when the config names no layer_types (Mistral)."""
@@ -86,16 +62,15 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         model_type = cfg.get("model_type")
-        if model_type not in ARCHS:
-            raise ValueError(f"model_type={model_type!r} is not supported by the runtime; supported: {sorted(ARCHS)}")
+        require(model_type, "runtime")
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ARCHS[model_type].default_act
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or FAMILIES[model_type].default_act
         if act not in ACTIVATIONS:
             raise ValueError(f"activation {act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        moe = ARCHS[model_type].moe
+        moe = FAMILIES[model_type].moe
         return cls(
             model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,

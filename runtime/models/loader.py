@@ -29,7 +29,8 @@ from compress.qlinear import QuantLinear
 from runtime.models.layers import ConcatLinear
 from runtime.models.llama import DecoderLM, ModelConfig
 from runtime.kernels.moe import StackedLinears
-from runtime.models.moe import MoEArch, SparseMoE
+from compress.families import MoEArch
+from runtime.models.moe import SparseMoE
 
 log = logging.getLogger(__name__)
 

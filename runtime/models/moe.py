@@ -5,7 +5,7 @@ weights renormalized to sum to 1 (Mixtral always; the others when ``norm_topk_pr
 weight stays fp32 and its logits are computed in fp32 whatever the model dtype. Expert outputs are
 scaled by those weights (Mixtral in fp32; the others cast them to the model dtype first, as
 transformers does) and summed; Qwen2-MoE adds a dense shared expert scaled by ``sigmoid(gate(x))``.
-Family differences are data (``MoEArch``, one per model_type in runtime/models/llama.py's ``ARCHS``).
+Family differences are data (``MoEArch``, one per model_type in compress/families.py).
 """
 from __future__ import annotations
 
@@ -16,20 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from compress.families import MoEArch
 from runtime.kernels.moe import ExpertsFn, torch_experts
-
-
-@dataclass(frozen=True)
-class MoEArch:
-    """How one MoE family names, places and routes its experts."""
-
-    intermediate_key: str = "moe_intermediate_size"  # config key of one expert's width
-    always_renormalize: bool = False  # Mixtral renormalizes the top-k weights whatever norm_topk_prob says
-    fp32_weights: bool = False  # Mixtral scales expert outputs by fp32 weights; others by model-dtype ones
-    shared_expert: bool = False  # Qwen2-MoE: a dense expert on every token, times sigmoid(shared_expert_gate(x))
-    sparse_step: bool = False  # Qwen-MoE: decoder_sparse_step and mlp_only_layers choose the MoE layers
-    legacy_block: str = "mlp"  # per-expert checkpoints (the hub layout): the block's name...
-    legacy_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # ...and each expert's linears
 
 
 @dataclass(frozen=True)

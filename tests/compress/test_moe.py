@@ -9,6 +9,7 @@ from compress import moe, rtn
 from compress.calibrate import decoder_layers
 from compress.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.config import QuantizeConfig
+from compress.families import FAMILIES
 from compress.moe_packed import PackedLinears, PackedMoEExperts, packed_moe_forward
 from compress.pipeline import quantize_model
 from compress.qlinear import QuantLinear
@@ -93,7 +94,7 @@ def test_packed_block_matches_transformers_block_with_dequantized_weights(family
     model = moe_model(family, experts_implementation=impl)
     block = decoder_layers(model)[0]
     ref_block = copy.deepcopy(block)
-    layout = moe.EXPERT_LAYOUTS[family]
+    layout = FAMILIES[family].experts
     moe.quantize_block_experts(0, block, layout, QuantizeConfig(method="rtn", bits=4, group_size=32))
     packed = block.get_submodule(layout.experts)
     assert isinstance(packed, PackedMoEExperts)
@@ -223,5 +224,5 @@ def test_unsupported_moe_inputs_are_clear_errors():
 def test_model_type_without_awq_mapping_is_a_clear_error():
     model = tiny_model("llama")
     model.config.model_type = "mystery"
-    with pytest.raises(ValueError, match="model_type 'mystery' has no mapping"):
+    with pytest.raises(ValueError, match="does not handle model_type 'mystery'"):
         quantize_model(model, QuantizeConfig(method="awq"), _batches())

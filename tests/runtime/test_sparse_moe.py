@@ -6,6 +6,7 @@ import torch
 
 from compress import moe as cmoe
 from compress.config import QuantizeConfig
+from compress.families import FAMILIES
 from compress.moe_packed import PackedLinears
 from runtime.kernels.moe import StackedLinears
 from runtime.models.loader import Checkpoint, build_model
@@ -109,7 +110,7 @@ def test_packed_experts_block_equals_transformers_with_compress_packed_experts(f
     """Experts quantized by compress (RTN) stay packed in the runtime and give the same block output as
     transformers' block holding compress's PackedMoEExperts (the torch quantized model)."""
     hf = hf_moe(family, {})
-    layout = cmoe.EXPERT_LAYOUTS[family]
+    layout = FAMILIES[family].experts
     for i, layer in enumerate(hf.model.layers):
         cmoe.quantize_block_experts(i, layer, layout, QuantizeConfig(method="rtn", bits=4, group_size=32))
     qc = cmoe.moe_entries(hf)
@@ -124,7 +125,7 @@ def test_packed_experts_block_equals_transformers_with_compress_packed_experts(f
 
 def test_mismatched_moe_entry_is_a_clear_error():
     hf = hf_moe("mixtral", {})
-    layout = cmoe.EXPERT_LAYOUTS["mixtral"]
+    layout = FAMILIES["mixtral"].experts
     cmoe.quantize_block_experts(0, hf.model.layers[0], layout, QuantizeConfig(method="rtn", bits=4, group_size=32))
     entry = copy.deepcopy(cmoe.moe_entries(hf)["model.layers.0.mlp.experts"])
     entry["num_experts"] = NUM_EXPERTS + 1

@@ -54,11 +54,12 @@ def _moe(family: str, scheme: Scheme):
     from compress import moe
     from compress.calibrate import decoder_layers
     from compress.config import QuantizeConfig
+    from compress.families import FAMILIES
 
     model = tiny_model(family, vocab=VOCAB, hidden=128)  # expert widths 96 / 128: whole 32-wide blocks
     cfg = QuantizeConfig(method="rtn", bits=scheme.bits, group_size=scheme.group_size, sym=scheme.sym)
     for i, block in enumerate(decoder_layers(model)):
-        moe.quantize_block_experts(i, block, moe.EXPERT_LAYOUTS[family], cfg)
+        moe.quantize_block_experts(i, block, FAMILIES[family].experts, cfg)
     return model
 
 

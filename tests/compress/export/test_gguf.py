@@ -172,9 +172,11 @@ def test_requantize_rounds_again_by_llama_cpp_rules_and_says_so(checkpoint, tmp_
 
 
 def test_unsupported_architecture_is_refused_naming_the_supported(tmp_path, monkeypatch, checkpoint):
-    from compress.export import gguf_arch
+    import dataclasses
 
-    monkeypatch.delitem(gguf_arch.ARCHS, "llama")
+    from compress import families
+
+    monkeypatch.setitem(families.FAMILIES, "llama", dataclasses.replace(families.FAMILIES["llama"], gguf=None))
     with pytest.raises(ValueError, match="does not handle model_type 'llama'; supported: mistral"):
         _export(checkpoint("llama"), tmp_path / "m.gguf")
     assert list(tmp_path.iterdir()) == []
