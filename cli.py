@@ -77,15 +77,15 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
 
     from tqdm import tqdm
 
+    from compress import api
     from compress.config import load_recipe
-    from compress.job import quantize_to_folder
-    from compress.memory import parse_size
     from compress.models import resolve
 
-    cfg = load_recipe(recipe).replace(calib=calib, nsamples=nsamples, seqlen=seqlen, bits=bits, group_size=group_size,
-                                      sym=sym, act_order=act_order, seed=seed, kv_heads=kv_heads,
-                                      kv_init=kv_init, kv_fit_steps=kv_fit_steps, uptrain_steps=uptrain_steps,
-                                      steps=steps, lr=lr, init=qat_init, rotate=rotate)
+    overrides = {k: v for k, v in dict(calib=calib, nsamples=nsamples, seqlen=seqlen, bits=bits, group_size=group_size,
+                                       sym=sym, act_order=act_order, seed=seed, kv_heads=kv_heads, kv_init=kv_init,
+                                       kv_fit_steps=kv_fit_steps, uptrain_steps=uptrain_steps, steps=steps, lr=lr,
+                                       init=qat_init, rotate=rotate).items() if v is not None}
+    cfg = load_recipe(recipe).replace(**overrides)  # validated here, so a bad flag fails before the model loads
     src = resolve(model_spec)
     out = out or str(Path("out") / f"{src.name}-{Path(recipe).stem}")
     s = cfg.scheme
@@ -111,8 +111,9 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
         bar.update(step - bar.n)
 
     try:
-        res = quantize_to_folder(model_spec, cfg, out, overwrite, Path(recipe).stem, progress, trust_remote_code,
-                                 allow_pickle, train_progress, stream, max_memory and parse_size(max_memory))
+        res = api.quantize(model_spec, recipe, out, overwrite=overwrite, stream=stream, max_memory=max_memory,
+                           trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, progress=progress,
+                           train_progress=train_progress, **overrides)
     finally:
         bar.close()
     notes = res.report.notes
@@ -182,14 +183,15 @@ def eval_cmd(model_spec, baseline, ppl, tasks, limit, seqlen, max_windows, batch
     import json
     from pathlib import Path
 
+    from compress import api
     from eval.progress import Bars
-    from eval.report import evaluate, format_table
+    from eval.report import format_table
 
     _quiet_lm_eval()
     bars = Bars(quiet)
     try:
-        result = evaluate(model_spec, baseline_spec=baseline, ppl_sources=_csv(ppl), tasks=_csv(tasks), limit=limit,
-                          seqlen=seqlen, max_windows=max_windows, batch_size=batch_size, progress=bars)
+        result = api.evaluate(model_spec, baseline, _csv(ppl), _csv(tasks), limit, seqlen, max_windows, batch_size,
+                              progress=bars)
     finally:
         bars.close()
     click.echo(format_table(result))
@@ -272,16 +274,12 @@ EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "onnx", "onnx-int4", "ggu
               "scales rounded to 6 bits: smaller than Q4_1, not lossless); the others stay Q4_0/Q4_1.")
 def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type, k_quants):
     """Export a quantized folder (or, for --format onnx/gguf, any model) to another runtime's format."""
-    from compress.export.dispatch import export
+    from compress import api
 
-    options = None
-    if fmt == "gguf":
-        from compress.export.gguf import GGUFOptions
-
-        options = GGUFOptions(requantize=requantize, embed_type=embed_type, k_quants=k_quants)
-    elif requantize or embed_type or k_quants:
+    options = dict(requantize=requantize, embed_type=embed_type, k_quants=k_quants) if fmt == "gguf" else {}
+    if fmt != "gguf" and (requantize or embed_type or k_quants):
         raise ValueError(f"--requantize, --embed-type and --k-quants apply to --format gguf, not {fmt}")
-    path = export(model_spec, fmt, out, overwrite=overwrite, dtype=dtype, options=options)
+    path = api.export(model_spec, fmt, out, overwrite=overwrite, dtype=dtype, **options)
     click.echo(f"wrote {fmt} export to {path}")
 
 

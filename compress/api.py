@@ -1,0 +1,66 @@
+"""The Python API, one function per CLI command (the CLI is a thin layer over these):
+
+    import compress
+    summary = compress.quantize("smollm2-135m", recipe="awq4", out="out/smollm2-awq4", nsamples=64)
+    result = compress.evaluate("out/smollm2-awq4", baseline="smollm2-135m", ppl=["wiki"], tasks=["piqa"])
+    compress.export("out/smollm2-awq4", "compressed-tensors", "out/smollm2-awq4-ct")
+
+``compress.quantize``'s keyword overrides are any recipe field (see ``compress recipes`` and
+compress/config.py): an unknown one is an error naming the known ones, as in a recipe file.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+
+def quantize(model: str, recipe: str = "awq4", out: str | Path | None = None, *, overwrite: bool = False,
+             stream: bool | None = None, max_memory: int | str | None = None, trust_remote_code: bool = False,
+             allow_pickle: bool = False, progress: Callable[[int, int], None] | None = None,
+             train_progress: Callable[[int, int, float], None] | None = None, **overrides):
+    """Quantize ``model`` (an embedded name, an HF folder or a .gguf file) with ``recipe`` (a bundled name or a
+    YAML path) into the folder ``out`` [default: out/MODEL-RECIPE]; returns compress.job.QuantizeSummary."""
+    from compress.config import FIELDS, load_recipe
+    from compress.job import quantize_to_folder
+    from compress.memory import parse_size
+    from compress.models import resolve
+
+    cfg = load_recipe(recipe)
+    unknown = sorted(set(overrides) - FIELDS)
+    if unknown:
+        raise ValueError(f"unknown recipe field(s) {', '.join(unknown)}; known: {', '.join(sorted(FIELDS))}")
+    cfg = cfg.replace(**overrides)
+    if out is None:
+        out = Path("out") / f"{resolve(model).name}-{Path(recipe).stem}"
+    if isinstance(max_memory, str):
+        max_memory = parse_size(max_memory)
+    return quantize_to_folder(model, cfg, str(out), overwrite, Path(recipe).stem, progress, trust_remote_code,
+                              allow_pickle, train_progress, stream, max_memory)
+
+
+def evaluate(model: str, baseline: str | None = None, ppl: Iterable[str] = ("wiki",), tasks: Iterable[str] = (),
+             limit: int | None = None, seqlen: int = 512, max_windows: int | None = None, batch_size: int = 8,
+             progress=None) -> dict:
+    """Held-out perplexity on each text in ``ppl``, accuracy on each lm-eval task, and size of ``model``, side by
+    side with ``baseline``: ``{"baseline", "compressed", "delta", "settings"}`` (eval/report.py)."""
+    from eval.report import evaluate as run
+
+    kw = {} if progress is None else {"progress": progress}
+    return run(model, baseline_spec=baseline, ppl_sources=list(ppl), tasks=list(tasks), limit=limit, seqlen=seqlen,
+               max_windows=max_windows, batch_size=batch_size, **kw)
+
+
+def export(model: str, format: str, out: str | Path, *, overwrite: bool = False, dtype: str | None = None,
+           **options) -> Path:
+    """Export ``model`` as ``format`` (compressed-tensors, gptq, awq, onnx, onnx-int4, gguf) to ``out``; GGUF
+    takes ``requantize``, ``embed_type`` and ``k_quants`` (compress/export/gguf.py GGUFOptions)."""
+    from compress.export.dispatch import export as run
+
+    opts = None
+    if format == "gguf":
+        from compress.export.gguf import GGUFOptions
+
+        opts = GGUFOptions(**options)
+    elif options:
+        raise ValueError(f"{', '.join(sorted(options))} apply to format gguf, not {format}")
+    return run(model, format, out, overwrite=overwrite, dtype=dtype, options=opts)

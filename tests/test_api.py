@@ -1,0 +1,56 @@
+"""The Python API mirrors the CLI: compress.quantize / evaluate / export and runtime.LLM."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import compress
+import runtime
+
+
+def test_importing_the_packages_loads_nothing_heavy():
+    code = "import compress, runtime, sys; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_quantize_evaluate_and_generate_through_the_api(tiny_dir, calib_text, tmp_path):
+    from compress.models import load_model
+
+    out = tmp_path / "q"
+    summary = compress.quantize(str(tiny_dir), recipe="gptq4", out=out, calib=str(calib_text), nsamples=4, seqlen=32,
+                                group_size=32)
+    assert summary.out == str(out) and summary.out_bytes > 0 and summary.report.method == "gptq"
+    model, _, _ = load_model(str(out))
+    assert all(q.scheme.group_size == 32 for q in model.modules() if hasattr(q, "scheme"))
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        compress.quantize(str(tiny_dir), recipe="rtn4", out=out)
+
+    result = compress.evaluate(str(out), baseline=str(tiny_dir), ppl=[str(calib_text)], seqlen=32, max_windows=2,
+                               progress=None)
+    assert result["compressed"]["ppl"] and result["baseline"]["ppl"] and result["delta"] is not None
+
+    llm = runtime.LLM(str(out), kv_cache_memory=1 << 22, dtype="float32", quant_kernel="dequant")
+    params = runtime.SamplingParams(max_tokens=6, ignore_eos=True)
+    got = llm.generate(["the quick brown fox", "a gentle breeze"], params)
+    ids = llm.tokenizer("the quick brown fox", return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert got[0].token_ids == want and len(got[1].token_ids) == 6
+
+
+def test_an_unknown_override_is_refused_by_name(tiny_dir, tmp_path):
+    with pytest.raises(ValueError, match="nsample"):
+        compress.quantize(str(tiny_dir), recipe="rtn4", out=tmp_path / "q", nsample=4)
+    assert not (tmp_path / "q").exists()
+
+
+def test_export_through_the_api(tiny_dir, tmp_path):
+    from compress.export.dispatch import FORMATS
+
+    q = compress.quantize(str(tiny_dir), recipe="rtn4", out=tmp_path / "q").out
+    path = compress.api.export(q, "compressed-tensors", tmp_path / "ct")
+    assert (path / "config.json").is_file() and "compressed-tensors" in FORMATS
+    with pytest.raises(ValueError, match="apply to format gguf"):
+        compress.api.export(q, "gptq", tmp_path / "g", k_quants=True)
