@@ -217,3 +217,27 @@ def require(model_type: str, step: str, why: str = "") -> Family:
         raise ValueError(f"{STEPS[step][1]} does not handle model_type {model_type!r}{reason}; "
                          f"supported: {', '.join(supported(step))}")
     return FAMILIES[model_type]
+
+
+# what every step reads from a decoder's config.json
+REQUIRED_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def check_config(config: dict, trust_remote_code: bool = False, what: str = "this model") -> str:
+    """The model type of a ``config.json`` dict, after the checks every step needs before reading weights:
+    the fields it reads are there, and a model that needs its own Python code has ``trust_remote_code``."""
+    missing = [f for f in REQUIRED_FIELDS if config.get(f) is None]
+    if missing:
+        raise ValueError(f"{what}'s config.json lacks {', '.join(missing)} (model_type "
+                         f"{config.get('model_type')!r}); a decoder-only causal LM config is expected")
+    mt = config["model_type"]
+    if config.get("auto_map") and not trust_remote_code:
+        raise ValueError(f"model_type {mt!r} of {what} runs its own Python code (auto_map in config.json); pass "
+                         "--trust-remote-code (trust_remote_code=True) only if you trust its source")
+    if mt not in FAMILIES and not config.get("auto_map"):
+        from transformers import CONFIG_MAPPING
+
+        if mt not in CONFIG_MAPPING:
+            raise ValueError(f"model_type {mt!r} of {what} is unknown to this transformers and has no code of its "
+                             f"own; known families: {', '.join(FAMILIES)}")
+    return mt

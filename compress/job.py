@@ -54,6 +54,24 @@ def why_not_streamed(src, cfg: QuantizeConfig) -> str | None:
     return None
 
 
+def preflight(src, cfg: QuantizeConfig, trust_remote_code: bool) -> None:
+    """Refuse, before any weight is read, a model whose family a step of ``cfg`` does not handle."""
+    import json
+
+    from compress.families import check_config, require
+
+    config_file = src.path / "config.json"
+    if src.gguf_file or not config_file.is_file():  # a GGUF: transformers checks its architecture on load
+        return
+    mt = check_config(json.loads(config_file.read_text()), trust_remote_code, src.name)
+    if cfg.method == "awq" or (cfg.method == "qat" and getattr(cfg, "init", None) == "awq"):
+        require(mt, "awq", "rtn, gptq, nf4 and int8 need no smoothing map")
+    if getattr(cfg, "rotate", "none") != "none":
+        require(mt, "rotate")
+    if getattr(cfg, "kv_heads", None):
+        require(mt, "gqa")
+
+
 def stream_folder(src, trust_remote_code: bool) -> Path:
     """The safetensors folder to stream from: the model's own, or for a GGUF its dequantized cache."""
     from compress.models import gguf_cache
@@ -147,6 +165,7 @@ def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
     t0 = time.perf_counter()
     src = resolve(model_spec)
+    preflight(src, cfg, trust_remote_code)
     reason = why_not_streamed(src, cfg)
     if stream and reason:
         raise ValueError(f"cannot stream {src.name}: {reason}; drop --stream")

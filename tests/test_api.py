@@ -54,3 +54,27 @@ def test_export_through_the_api(tiny_dir, tmp_path):
     assert (path / "config.json").is_file() and "compressed-tensors" in FORMATS
     with pytest.raises(ValueError, match="apply to format gguf"):
         compress.api.export(q, "gptq", tmp_path / "g", k_quants=True)
+
+
+def _folder(tmp_path, **config):
+    import json
+
+    path = tmp_path / "m"
+    path.mkdir()
+    base = dict(model_type="olmoe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
+    (path / "config.json").write_text(json.dumps({**base, **config}))
+    return path  # no weights: every refusal below must come before any are read
+
+
+@pytest.mark.parametrize("config, recipe, overrides, msg", [
+    ({"model_type": "gpt2"}, "awq4", {}, "AWQ smoothing .* does not handle model_type 'gpt2'.*supported: llama"),
+    ({}, "gptq4", {"kv_heads": 2}, "KV-head conversion .* does not handle model_type 'olmoe'"),
+    ({"model_type": "gemma2"}, "rtn4", {"rotate": "hadamard"}, "rotation folding .* 'gemma2'"),
+    ({"auto_map": {"AutoModelForCausalLM": "m.M"}, "model_type": "mine"}, "rtn4", {}, "--trust-remote-code"),
+    ({"model_type": "not_a_model"}, "rtn4", {}, "'not_a_model' .* unknown to this transformers"),
+    ({"num_attention_heads": None}, "rtn4", {}, "lacks num_attention_heads"),
+])
+def test_a_family_a_step_cannot_handle_is_refused_before_loading(tmp_path, config, recipe, overrides, msg):
+    with pytest.raises(ValueError, match=msg):
+        compress.quantize(str(_folder(tmp_path, **config)), recipe=recipe, out=tmp_path / "q", **overrides)
+    assert not (tmp_path / "q").exists()
