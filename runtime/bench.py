@@ -220,10 +220,20 @@ def _build_engine(cfg: BenchConfig, model: str, max_seqs: int, draft: str | None
                                kv_cache_dtype=kv_cache_dtype))
 
 
+def _check_servable(*specs: str) -> None:
+    """Each model's checkpoint opens and the runtime has a path for its family, from the config alone."""
+    from runtime.models.dispatch import model_config
+    from runtime.models.loader import open_checkpoint
+
+    for spec in dict.fromkeys(specs):
+        model_config(open_checkpoint(spec))
+
+
 def run_bench(cfg: BenchConfig, progress=None) -> dict:
     """Run every scenario; returns ``{"config": ..., "rows": [...]}`` (rows as dicts)."""
     say = progress or (lambda msg: log.info(msg))
     base = cfg.baseline or cfg.model
+    _check_servable(cfg.model, base)  # minutes of transformers rows are not spent on a model the engine refuses
     top = max(cfg.concurrency)
     rows: list[Row] = []
     rng = random.Random(cfg.seed)

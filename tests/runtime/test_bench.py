@@ -69,3 +69,18 @@ def test_run_bench_tiny_end_to_end(model_dir, tmp_path):  # noqa: F811
     assert all(r["spec_acceptance_pct"] is not None for r in spec)
     assert "TTFT p50 ms" in res.output and "engine-continuous" in res.output
     assert format_table(data["rows"]).count("\n") == len(data["rows"]) + 1
+
+
+def test_a_model_nothing_serves_is_refused_before_any_row(tmp_path, monkeypatch):
+    import json as _json
+
+    from runtime import bench
+
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(_json.dumps({"model_type": "not_a_model", "hidden_size": 8}))
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+    monkeypatch.setattr(bench, "run_hf", lambda *a, **k: pytest.fail("transformers rows ran first"))
+    with pytest.raises(ValueError, match="not_a_model"):
+        bench.run_bench(BenchConfig(model=str(tmp_path), prompt_len=8, output_len=2, concurrency=(1,)))
