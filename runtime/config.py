@@ -8,6 +8,7 @@ from runtime.kernels.kv_quant import KV_CACHE_DTYPES, kv_format
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANT_KERNELS = ("auto", "packed", "dequant")
 LM_HEADS = ("auto", "fp", "int8", "int4")  # runtime/kernels/qmatmul.py LM_HEAD_SCHEMES has the last two
+MODEL_IMPLS = ("auto", "native", "transformers")  # runtime/models/dispatch.py
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class EngineConfig:
     ``kv_cache_dtype``: ``"auto"`` stores K and V in the compute dtype; ``"int8"`` / ``"fp8_e4m3"`` (where this
     torch has ``float8_e4m3fn``) store 8-bit codes with an fp16 scale per token and KV head, about twice the
     tokens in the same ``kv_cache_memory`` as a 16-bit cache (runtime/kernels/kv_quant.py).
+    ``model_impl``: ``"auto"`` serves a family with a native runtime model natively (the fast path) and any other
+    decoder through transformers' own modeling code with the engine's paged KV cache (slower);
+    ``"native"``/``"transformers"`` force one (runtime/models/dispatch.py). ``trust_remote_code`` lets a checkpoint's
+    own Python code (``auto_map``) run; without it such a model is refused.
     Prompt lookup matches suffix n-grams of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens
     (on free-running text ``prompt_lookup_min=2`` wastes fewer verifications on CPU; 1 drafts more often).
     """
@@ -58,6 +63,8 @@ class EngineConfig:
     lm_head: str = "auto"
     fused_cpu_kernels: bool = True
     kv_cache_dtype: str = "auto"
+    model_impl: str = "auto"
+    trust_remote_code: bool = False
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -90,6 +97,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is unknown; use one of {KV_CACHE_DTYPES}")
         kv_format(self.kv_cache_dtype)  # fp8 without torch support: a clear error here, not at the first write
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl={self.model_impl!r} is unknown; use one of {MODEL_IMPLS}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max={self.prompt_lookup_max}: "
                              "need 1 <= min <= max")

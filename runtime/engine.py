@@ -21,7 +21,7 @@ from runtime.block_manager import BlockManager
 from runtime.config import EngineConfig
 from runtime.cpu import resolve_dtype
 from runtime.model_runner import ForwardItem, ModelRunner, kv_bytes_per_block
-from runtime.models.llama import ModelConfig
+from runtime.models.dispatch import RuntimeConfig, model_config
 from runtime.models.loader import open_checkpoint
 from runtime.sampler import Sampler
 from runtime.scheduler import ScheduledSeq, Scheduler
@@ -66,11 +66,11 @@ class Engine:
         self.config = c = config
         if c.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={c.device!r} but this torch sees no CUDA device; use device='cpu'")
-        ckpt = open_checkpoint(c.model)
+        ckpt = open_checkpoint(c.model, c.trust_remote_code)
         self.tokenizer, self.eos_token_ids = ckpt.tokenizer, ckpt.eos_token_ids
-        mcfg = ModelConfig.from_hf(ckpt.config)
-        dckpt = open_checkpoint(c.draft) if c.draft not in (None, "ngram") else None
-        dcfg = ModelConfig.from_hf(dckpt.config) if dckpt else None
+        mcfg = model_config(ckpt, c.model_impl, c.trust_remote_code)
+        dckpt = open_checkpoint(c.draft, c.trust_remote_code) if c.draft not in (None, "ngram") else None
+        dcfg = model_config(dckpt, c.model_impl, c.trust_remote_code) if dckpt else None
         if dcfg and dcfg.vocab_size != mcfg.vocab_size:
             raise ValueError(f"draft {c.draft!r} has vocab_size={dcfg.vocab_size}, the model {mcfg.vocab_size}; "
                              "the draft must share the model's tokenizer")
@@ -87,7 +87,8 @@ class Engine:
         def runner(ck):
             return ModelRunner(ck, num_blocks, c.block_size, self.dtype, c.device, c.quant_kernel,
                                self.max_model_len + c.lookahead + 1, decode_q_len=1 + c.lookahead,
-                               fused_cpu=c.fused_cpu_kernels, lm_head=c.lm_head, kv_cache_dtype=c.kv_cache_dtype)
+                               fused_cpu=c.fused_cpu_kernels, lm_head=c.lm_head, kv_cache_dtype=c.kv_cache_dtype,
+                               model_impl=c.model_impl, trust_remote_code=c.trust_remote_code)
 
         self.runner = runner(ckpt)
         draft_runner = runner(dckpt) if dckpt else None
@@ -109,7 +110,7 @@ class Engine:
                  num_blocks, c.block_size, c.kv_cache_dtype, self.max_model_len, self.runner.kernel_paths or "none",
                  self.runner.lm_head_kind)
 
-    def _max_model_len(self, mcfg: ModelConfig, dcfg: ModelConfig | None, num_blocks: int) -> int:
+    def _max_model_len(self, mcfg: RuntimeConfig, dcfg: RuntimeConfig | None, num_blocks: int) -> int:
         c = self.config
         models = [m for m in (mcfg, dcfg) if m]
         model_max = min(m.max_position_embeddings for m in models)

@@ -20,8 +20,8 @@ from runtime.kernels.attention import AttentionMetadata, fused_paged_attention, 
 from runtime.kernels.fused import FUSED_CPU_OPS, select_ops
 from runtime.kernels.kv_quant import SCALE_DTYPE, kv_bytes_per_token_head, kv_format
 from runtime.kernels.moe import prepare_experts
-from runtime.models.llama import ModelConfig
-from runtime.models.loader import Checkpoint, build_model
+from runtime.models.dispatch import RuntimeConfig, build_model
+from runtime.models.loader import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class ForwardItem:
     num_logits: int  # how many trailing positions' logits to return (0 .. len)
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
+def kv_bytes_per_block(cfg: RuntimeConfig, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
     """Bytes of K and V for one block across all layers, 8-bit codes' scales included."""
     per_head = kv_bytes_per_token_head(cfg.head_dim, DTYPES[dtype], kv_format(kv_cache_dtype))
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_head
@@ -49,10 +49,11 @@ class ModelRunner:
 
     def __init__(self, ckpt: Checkpoint, num_blocks: int, block_size: int, dtype: str, device: str,
                  quant_kernel: str, max_positions: int, decode_q_len: int = 1, fused_cpu: bool = True,
-                 lm_head: str = "fp", kv_cache_dtype: str = "auto"):
+                 lm_head: str = "fp", kv_cache_dtype: str = "auto", model_impl: str = "auto",
+                 trust_remote_code: bool = False):
         self.dtype, self.device = DTYPES[dtype], torch.device(device)
         self.block_size, self.num_blocks, self.decode_q_len = block_size, num_blocks, decode_q_len
-        self.model = build_model(ckpt, self.dtype, max_positions)
+        self.model = build_model(ckpt, self.dtype, max_positions, model_impl, trust_remote_code)
         self.config = self.model.config
         self.ops = select_ops(self.device.type, self.dtype, fused_cpu)
         fused = self.ops is FUSED_CPU_OPS

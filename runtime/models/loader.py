@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from compress.models import ModelSource
 from compress.moe_packed import PackedLinears
 from compress.qlinear import QuantLinear
 from runtime.models.layers import ConcatLinear
@@ -46,6 +47,7 @@ class Checkpoint:
     quant_experts: dict[str, dict] = field(default_factory=dict)  # packed MoE experts (quantization_config.moe)
     tokenizer: object | None = None
     eos_token_ids: tuple[int, ...] = ()
+    source: ModelSource | None = None  # where it was read from (the transformers backend loads from there)
 
     @property
     def quantized(self) -> bool:
@@ -94,13 +96,14 @@ class LazyTensors(Mapping):
         return len(self.reader.entries)
 
 
-def open_checkpoint(spec: str) -> Checkpoint:
-    """Resolve ``spec`` with ``compress.models.resolve`` and read config, tensors and tokenizer."""
+def open_checkpoint(spec: str, trust_remote_code: bool = False) -> Checkpoint:
+    """Resolve ``spec`` with ``compress.models.resolve`` and read config, tensors and tokenizer (the tokenizer's
+    own code runs only with ``trust_remote_code``)."""
     from compress.models import _load_gguf, load_tokenizer, resolve
 
     src = resolve(spec)
     try:
-        tokenizer = load_tokenizer(src)
+        tokenizer = load_tokenizer(src, trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         log.warning("no tokenizer for %s (%s); only token-id prompts will work", spec, str(e).splitlines()[0])
         tokenizer = None
@@ -110,7 +113,7 @@ def open_checkpoint(spec: str) -> Checkpoint:
         gen = getattr(hf, "generation_config", None)
         cfg = hf.config.to_dict()
         return Checkpoint(src.name, cfg, dict(hf.state_dict()), {}, {}, tokenizer,
-                          _eos_ids(getattr(gen, "eos_token_id", None), cfg.get("eos_token_id"), tok_eos))
+                          _eos_ids(getattr(gen, "eos_token_id", None), cfg.get("eos_token_id"), tok_eos), src)
     cfg = json.loads((src.path / "config.json").read_text())
     qc: dict = {}
     if src.quantized:
@@ -120,7 +123,7 @@ def open_checkpoint(spec: str) -> Checkpoint:
     gen_file = src.path / "generation_config.json"
     gen_eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.is_file() else None
     return Checkpoint(src.name, cfg, LazyTensors(src.path), qc.get("modules", {}), qc.get("moe", {}),
-                      tokenizer, _eos_ids(gen_eos, cfg.get("eos_token_id"), tok_eos))
+                      tokenizer, _eos_ids(gen_eos, cfg.get("eos_token_id"), tok_eos), src)
 
 
 def _linear(ckpt: Checkpoint, name: str, in_f: int, out_f: int, dtype: torch.dtype) -> nn.Module:

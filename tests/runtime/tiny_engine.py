@@ -6,9 +6,10 @@ import torch
 from tiny_models import tiny_config
 
 
-def save_tiny(family: str, path, tokenizer=None, seed: int = 0, weight_std: float = 0.15, overrides: dict | None = None,
+def save_tiny(family, path, tokenizer=None, seed: int = 0, weight_std: float = 0.15, overrides: dict | None = None,
               **kw):
-    """A tiny random model of ``family`` saved with ``save_pretrained`` (plus tokenizer); returns the model.
+    """A tiny random model of ``family`` (a tests/tiny_models.py name, or a transformers config built by the test)
+    saved with ``save_pretrained`` (plus tokenizer); returns the model.
 
     Linear weights get a larger spread than the default init so greedy outputs vary from step to step
     (with std 0.02 most families just repeat a prompt token, which would make parity tests weak).
@@ -17,7 +18,7 @@ def save_tiny(family: str, path, tokenizer=None, seed: int = 0, weight_std: floa
 
     if tokenizer is not None:
         kw.setdefault("vocab", len(tokenizer))
-    config = tiny_config(family, **kw)
+    config = tiny_config(family, **kw) if isinstance(family, str) else family
     for k, v in (overrides or {}).items():
         setattr(config, k, v)
     torch.manual_seed(seed)
