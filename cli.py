@@ -331,14 +331,18 @@ def generate_cmd(model_spec, prompt, max_new_tokens, kv_cache_dtype):
 @click.option("--lm-head", default="auto", show_default=True, type=click.Choice(["auto", "fp", "int8", "int4"]),
               help="CPU LM head: auto (int8 for quantized checkpoints in bf16), fp, or rounded at load to int8/int4.")
 @KV_CACHE_DTYPE
+@click.option("--model-impl", default="auto", show_default=True, type=click.Choice(["auto", "native", "transformers"]),
+              help="auto: the runtime's native model where the family has one (fast), else transformers' own modeling "
+              "code on the engine's paged KV cache (slower); or force one.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
 def serve(model_spec, host, port, draft, api_key, max_num_seqs, max_queue, max_model_len, dtype, lm_head,
-          kv_cache_dtype):
+          kv_cache_dtype, model_impl, trust_remote_code):
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     from runtime.server import serve as run_server
 
     run_server(model_spec, host=host, port=port, draft=draft, api_key=api_key, max_num_seqs=max_num_seqs,
                max_queue=max_queue, max_model_len=max_model_len, dtype=dtype, lm_head=lm_head,
-               kv_cache_dtype=kv_cache_dtype)
+               kv_cache_dtype=kv_cache_dtype, model_impl=model_impl, trust_remote_code=trust_remote_code)
 
 
 def _levels(value: str) -> tuple[int, ...]:

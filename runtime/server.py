@@ -270,7 +270,8 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, draft: str | None = None, api_key: str | None = None,
           max_num_seqs: int = 64, max_queue: int = 256, max_model_len: int | None = None, dtype: str = "auto",
-          device: str | None = None, lm_head: str = "auto", kv_cache_dtype: str = "auto") -> None:
+          device: str | None = None, lm_head: str = "auto", kv_cache_dtype: str = "auto", model_impl: str = "auto",
+          trust_remote_code: bool = False) -> None:
     """Load ``model`` into an Engine and serve it until interrupted (the ``compress serve`` command)."""
     import torch
     import uvicorn
@@ -280,7 +281,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, draft: str | No
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = Engine(EngineConfig(model=model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
-                                 device=device, draft=draft, lm_head=lm_head, kv_cache_dtype=kv_cache_dtype))
+                                 device=device, draft=draft, lm_head=lm_head, kv_cache_dtype=kv_cache_dtype,
+                                 model_impl=model_impl, trust_remote_code=trust_remote_code))
     app = create_app(engine, ServerConfig(model_name=model, api_key=api_key, max_queue=max_queue,
                                           max_num_seqs=max_num_seqs))
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:

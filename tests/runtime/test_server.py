@@ -243,23 +243,57 @@ async def _stream(http, url, i, drop: bool) -> tuple[str, str | None, int]:
     raise AssertionError("stream ended without [DONE]")
 
 
+def assert_serves_64_streams(served):
+    """64 streaming clients at once, every fourth hanging up early: the rest finish, the pool comes back whole."""
+    async def main():
+        limits = httpx.Limits(max_connections=128, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            return await asyncio.gather(*(_stream(http, served.url + "/v1/completions", i, drop=i % 4 == 0)
+                                          for i in range(64)))
+    results = asyncio.run(main())
+    kept = [r for i, r in enumerate(results) if i % 4]
+    assert len(kept) == 48
+    assert all(finish == "length" and n == 12 and text for text, finish, n in kept)
+    # dropped requests were aborted (never finished) and every block came back
+    assert wait_until(lambda: blocks_free(served.engine))
+    assert served.app.state.engine_loop.num_pending == 0
+    assert served.app.state.metrics.requests.value(finish_reason="length") == 48
+    assert served.app.state.metrics.requests.value(finish_reason="abort") == 16
+
+
 def test_load_64_streaming_clients_some_disconnecting(model_dir):
     served = Served(make_engine(model_dir, max_num_seqs=16), model_name="tiny", max_num_seqs=16, max_queue=64)
     try:
-        async def main():
-            limits = httpx.Limits(max_connections=128, max_keepalive_connections=0)
-            async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-                return await asyncio.gather(*(_stream(http, served.url + "/v1/completions", i, drop=i % 4 == 0)
-                                              for i in range(64)))
-        results = asyncio.run(main())
-        kept = [r for i, r in enumerate(results) if i % 4]
-        assert len(kept) == 48
-        assert all(finish == "length" and n == 12 and text for text, finish, n in kept)
-        # dropped requests were aborted (never finished) and every block came back
-        assert wait_until(lambda: blocks_free(served.engine))
-        assert served.app.state.engine_loop.num_pending == 0
-        assert served.app.state.metrics.requests.value(finish_reason="length") == 48
-        assert served.app.state.metrics.requests.value(finish_reason="abort") == 16
+        assert_serves_64_streams(served)
+    finally:
+        served.close()
+
+
+def test_transformers_backend_serves_under_load(tmp_path):
+    """A family with no native runtime model (GPT-NeoX, run by transformers' modeling code on the engine's paged
+    KV cache) behind the server: greedy text equals transformers', and it takes the same load test."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from runtime.models.hf_backend import TransformersLM
+    from tiny_engine import hf_greedy as greedy_ids
+
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        vocab_size=len(tok), max_position_embeddings=256, initializer_range=0.2,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    hf = GPTNeoXForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    served = Served(make_engine(tmp_path, max_num_seqs=16), model_name="neox", max_num_seqs=16, max_queue=64)
+    try:
+        assert isinstance(served.engine.runner.model, TransformersLM)
+        assert_serves_64_streams(served)
+        prompt = "The river left the mountains"
+        r = served.client().completions.create(model="neox", prompt=prompt, max_tokens=12, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert r.choices[0].text == tok.decode(greedy_ids(hf, tok(prompt)["input_ids"], 12), skip_special_tokens=True)
+        assert served.app.state.metrics.requests.value(finish_reason="length") == 48 + 1
     finally:
         served.close()
 
