@@ -81,6 +81,15 @@ def load_tensors(model: nn.Module, tensors: dict[str, Tensor]) -> None:
         convert_and_load_state_dict_in_model(model, tensors, cfg)
 
 
+def model_names(model: nn.Module, keys) -> dict[str, str]:
+    """Checkpoint key -> the model's own name for it, by transformers' renamings (GPT-NeoX's embed_out is lm_head)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    renamings = [t for t in get_model_conversion_mapping(model) or () if isinstance(t, WeightRenaming)]
+    return {k: apply_renamings(k, renamings) for k in keys}
+
+
 def _check_materialized(module: nn.Module, what: str, folder: Path) -> None:
     left = [n for n, p in module.named_parameters() if p.is_meta]
     if left:
@@ -110,6 +119,7 @@ class StreamedBlocks(BlockStore):
                 self.block_keys[int(idx)].append(k)
             else:
                 self.other_keys.append(k)
+        self.source = {v: k for k, v in model_names(model, self.other_keys).items()}  # model name -> checkpoint key
         self.parts: list[Path] = []
         self.stats = StreamStats()
         self._t0 = 0.0
@@ -120,12 +130,12 @@ class StreamedBlocks(BlockStore):
 
     def _load_others(self) -> None:
         """Everything outside the blocks except the embeddings and the head (the final norm, ...)."""
-        big = {self.embed, self.head, "lm_head.weight"}
+        big = {self.source.get(k, k) for k in (self.embed, self.head, "lm_head.weight")}
         small = [k for k in self.other_keys if k not in big]
         load_tensors(self.model, {k: self.reader.get(k) for k in small})
         for name in (self.embed, self.head):
-            if name is not None and name not in self.reader:
-                raise ValueError(f"{self.reader.folder}: no tensor {name} in the checkpoint")
+            if name is not None and self.source.get(name, name) not in self.reader:
+                raise ValueError(f"{self.reader.folder}: no tensor {self.source.get(name, name)} in the checkpoint")
 
     def load(self, i: int, block: nn.Module) -> None:
         if not any(p.is_meta for p in block.parameters()):
@@ -148,7 +158,7 @@ class StreamedBlocks(BlockStore):
         emb = model.get_input_embeddings()
         ids = torch.unique(torch.cat([b.flatten() for b in batches]))
         rows, start = [], 0
-        for slab in self.reader.slabs(self.embed, DTYPE):
+        for slab in self.reader.slabs(self.source.get(self.embed, self.embed), DTYPE):
             stop = start + slab.shape[0]
             rows.append(slab[ids[(ids >= start) & (ids < stop)] - start])
             start = stop
@@ -169,10 +179,11 @@ class StreamedBlocks(BlockStore):
         for k, v in self.model.state_dict().items():
             if k.startswith(f"{self.prefix}.") or (k == "lm_head.weight" and tied(self.model)):
                 continue
-            if k not in self.reader:
-                raise ValueError(f"{self.reader.folder}: no tensor {k} in the checkpoint")
-            e = self.reader.entries[k]  # outside the blocks: written in the source's own dtype
-            tensors[k] = Lazy(e.dtype, e.shape, lambda k=k, e=e: self.reader.slabs(k, e.dtype)) if v.is_meta \
+            src = self.source.get(k, k)
+            if src not in self.reader:
+                raise ValueError(f"{self.reader.folder}: no tensor {src} in the checkpoint")
+            e = self.reader.entries[src]  # outside the blocks: written in the source's own dtype
+            tensors[k] = Lazy(e.dtype, e.shape, lambda s=src, e=e: self.reader.slabs(s, e.dtype)) if v.is_meta \
                 else v.to(e.dtype)
         self._write(tensors)
         consolidate(self.parts, self.out, MAX_SHARD_BYTES)
@@ -181,7 +192,9 @@ class StreamedBlocks(BlockStore):
 def outer_dtypes(model: nn.Module, reader: ShardReader) -> dict[str, torch.dtype]:
     """The stored dtype of every floating tensor outside the decoder blocks, by name."""
     prefix = f"{layers_prefix(model)}."
-    return {k: e.dtype for k, e in reader.entries.items() if not k.startswith(prefix) and e.dtype.is_floating_point}
+    names = model_names(model, reader.entries)
+    return {names[k]: e.dtype for k, e in reader.entries.items()
+            if not k.startswith(prefix) and e.dtype.is_floating_point}
 
 
 def write_side_files(model: nn.Module, src_folder: Path, tokenizer, out: Path, quantization_config: dict) -> None:

@@ -39,6 +39,22 @@ def test_streamed_equals_in_memory(tmp_path, smol_tokenizer, calib_text, family,
     assert sorted(p.name for p in Path(streamed.out).glob("*.safetensors")) == ["model.safetensors"]
 
 
+def test_a_family_whose_head_is_renamed_on_load_streams(tmp_path, smol_tokenizer):
+    """GPT-NeoX stores its head as embed_out, which transformers loads as lm_head: no family table entry needed."""
+    import transformers as tf
+
+    cfg = tf.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           vocab_size=len(smol_tokenizer), tie_word_embeddings=False)
+    src = tmp_path / "neox"
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(src)
+    smol_tokenizer.save_pretrained(src)
+    streamed = quantize_to_folder(str(src), load_recipe("rtn4"), str(tmp_path / "s"), stream=True)
+    whole = quantize_to_folder(str(src), load_recipe("rtn4"), str(tmp_path / "m"), stream=False)
+    a, b = _tensors(streamed.out), _tensors(whole.out)
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
 def test_large_outputs_are_sharded(tmp_path, smol_tokenizer, monkeypatch):
     from compress import stream
 
