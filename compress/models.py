@@ -101,36 +101,27 @@ def _gguf_cache_path(src: ModelSource) -> Path:
 
 
 def gguf_cache(src: ModelSource) -> Path:
-    """The safetensors folder holding ``src``'s GGUF dequantized (fp32), written on first use.
-    The conversion itself (transformers') holds the whole fp model once."""
+    """The safetensors folder holding ``src``'s GGUF dequantized (fp32), written on first use one tensor at a
+    time (compress/gguf_dequant.py), so a GGUF larger than memory converts."""
+    from compress.checkpoint import atomic_dir
+    from compress.gguf_dequant import dequantize_gguf
+
     cache = _gguf_cache_path(src)
     if not (cache / "config.json").is_file():
-        _load_gguf(src, torch.float32)
-        if not (cache / "config.json").is_file():
-            raise OSError(f"could not write the dequantized cache of {src.gguf_file} at {cache}: "
-                          "set COMPRESS_CACHE to a writable folder")
+        try:
+            with atomic_dir(cache, overwrite=True) as tmp:
+                dequantize_gguf(src.path, src.gguf_file, tmp)
+        except OSError as e:
+            raise OSError(f"could not write the dequantized cache of {src.gguf_file} at {cache} ({e}): "
+                          "set COMPRESS_CACHE to a writable folder with room for the fp32 weights") from e
     return cache
 
 
 def _load_gguf(src: ModelSource, dtype: torch.dtype) -> nn.Module:
-    """GGUF -> fp model, dequantized once by transformers and cached as safetensors."""
+    """GGUF -> fp model, through its dequantized cache."""
     from transformers import AutoModelForCausalLM
 
-    cache = _gguf_cache_path(src)
-    if (cache / "config.json").is_file():
-        return AutoModelForCausalLM.from_pretrained(cache, dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=dtype)
-    model.config.quantization_config = None  # the weights are dequantized now
-    if hasattr(model, "hf_quantizer"):
-        model.hf_quantizer = None
-    try:
-        from compress.checkpoint import atomic_dir
-
-        with atomic_dir(cache, overwrite=True) as tmp:
-            model.save_pretrained(tmp)
-    except OSError as e:  # a read-only home is no reason to fail
-        log.warning("could not cache the dequantized GGUF at %s: %s", cache, e)
-    return model
+    return AutoModelForCausalLM.from_pretrained(gguf_cache(src), dtype=dtype)
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
