@@ -69,9 +69,53 @@ def tiny_model(family: str, seed: int = 0, **kw):
 
 
 def loud_channels(model, n: int = 4, factor: float = 20.0):
-    """A few loud input channels in every block, as real LLM activations have (what AWQ and rotations are for)."""
+    """A few loud channels in every block, as real LLM activations have (what AWQ and rotations are for): every
+    block norm's first ``n`` weights scaled (Llama: the two pre-norms; OLMo 2 has only post-norms)."""
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.input_layernorm.weight[:n] *= factor
-            layer.post_attention_layernorm.weight[:n] *= factor
+            for name, p in layer.named_parameters():
+                if name.endswith("layernorm.weight"):
+                    p[:n] *= factor
     return model
+
+
+def byte_tokenizer():
+    """A 256-token byte-level tokenizer made offline (vocab = the 256 bytes, no merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=sorted(alphabet)[0])
+
+
+# the bundled recipes at tiny sizes (the path, not the accuracy)
+TINY_RECIPE = dict(nsamples=4, seqlen=16, batch_size=2, search_tokens=64, clip_tokens=64, grid=5, clip_grid=10)
+
+
+def token_batches(n: int = 4, seqlen: int = 16, seed: int = 0, vocab: int = 256) -> list:
+    """Random calibration token ids in batches of 2."""
+    g = torch.Generator().manual_seed(seed)
+    return list(torch.randint(0, vocab, (n, seqlen), generator=g).split(2))
+
+
+def quantize_tiny(family: str, recipe: str, folder=None, **overrides):
+    """(fp model, quantized model): ``family``'s tiny model quantized by the bundled ``recipe`` at tiny sizes
+    (compress.pipeline), saved into ``folder`` as `compress quantize` saves it (with a tokenizer) when given."""
+    import copy
+
+    from compress.checkpoint import build_quantization_config, save_quantized
+    from compress.config import load_recipe
+    from compress.pipeline import quantize_model
+
+    cfg = load_recipe(recipe).replace(**{**TINY_RECIPE, **overrides})
+    base = tiny_model(family)
+    model = copy.deepcopy(base)
+    quantize_model(model, cfg, token_batches())
+    if folder is not None:
+        act_order = any(getattr(m, "g_idx", None) is not None for m in model.modules())
+        save_quantized(model, byte_tokenizer(), folder, build_quantization_config(model, cfg.method, cfg.scheme, act_order))
+    return base, model

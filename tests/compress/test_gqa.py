@@ -2,16 +2,18 @@ import copy
 
 import pytest
 import torch
-from tiny_models import tiny_config
+from tiny_models import FAMILIES as TINY, MOE_FAMILIES, NEW_FAMILIES, tiny_config
 
 from compress import gqa
 from compress.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.config import QuantizeConfig
+from compress.families import supports
 from compress.pipeline import quantize_model
 from compress.qlinear import QuantLinear
 from compress.train import evaluate_kl
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "granite")
+ALL = TINY + NEW_FAMILIES + MOE_FAMILIES  # phi3 (fused qkv_proj), olmo2 and olmoe (k_norm over all heads): refused
 
 
 def _model(family, heads=8, kv=8, seed=0):
@@ -19,7 +21,7 @@ def _model(family, heads=8, kv=8, seed=0):
 
     cfg = tiny_config(family)
     cfg.num_attention_heads, cfg.num_key_value_heads = heads, kv
-    if family == "qwen3":
+    if family in ("qwen3", "gemma2", "gemma3_text"):  # head_dim set apart from the head count
         cfg.head_dim = 16
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -95,7 +97,7 @@ def test_pooling_identical_heads_keeps_the_output(family, init):
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ("llama", "qwen2", "mistral", "gemma"))
+@pytest.mark.parametrize("family", ("llama", "qwen2", "mistral", "gemma", "gemma2", "granite"))
 @pytest.mark.parametrize("heads,kv,new", [(8, 4, 1), (8, 4, 2), (8, 8, 2)])
 def test_pca_merge_is_exact_for_complex_multiple_keys_and_low_rank_values(family, heads, kv, new):
     """RoPE-plane merging of keys and o_proj-folded merging of values, checked against transformers'
@@ -214,11 +216,14 @@ def test_invalid_kv_heads_fail_before_quantizing():
     assert not QuantizeConfig(method="rtn", kv_heads=1, kv_init="mean").needs_calibration
 
 
-def test_model_type_without_attention_layout_is_a_clear_error():
-    model = _model("llama", 8, 4)
-    model.config.model_type = "olmoe"
-    with pytest.raises(ValueError, match="KV-head conversion .* does not handle model_type 'olmoe'"):
-        gqa.convert(model, 2)
+@pytest.mark.parametrize("family", [f for f in ALL if not supports(f, "gqa")])
+def test_model_type_without_attention_layout_is_a_clear_error(family):
+    from tiny_models import tiny_model
+
+    model = tiny_model(family)
+    with pytest.raises(ValueError, match=f"KV-head conversion .* does not handle model_type '{family}'"):
+        gqa.convert(model, 1, "mean")
+    assert model.config.num_key_value_heads == 2
 
 
 def test_uptraining_recovers_part_of_the_conversion_loss():

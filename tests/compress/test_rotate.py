@@ -2,9 +2,10 @@ import copy
 
 import pytest
 import torch
-from tiny_models import FAMILIES, MOE_FAMILIES, tiny_model, loud_channels
+from tiny_models import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, tiny_model, loud_channels
 
 from compress.calibrate import decoder_layers
+from compress.families import supports
 from compress.mappings import block_map
 from compress.rotate import residual_map, rotate_model
 
@@ -24,7 +25,10 @@ def _assert_same_function(base, rotated, vocab=256):
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()  # fp32 rounding of a different summation order
 
 
-@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
+ALL = FAMILIES + NEW_FAMILIES + MOE_FAMILIES
+
+
+@pytest.mark.parametrize("family", [f for f in ALL if supports(f, "rotate")])
 def test_rotated_model_computes_the_same_logits(family):
     base = tiny_model(family)
     model = copy.deepcopy(base)
@@ -67,15 +71,13 @@ def test_untied_head_is_its_own_matrix_and_the_config_says_so():
     assert model.config.tie_word_embeddings is False
 
 
-def test_a_family_that_cannot_be_folded_is_refused_by_name_before_any_change():
-    import transformers as tf
-
-    cfg = tf.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=16, vocab_size=64)
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+@pytest.mark.parametrize("family", [f for f in ALL if not supports(f, "rotate")])
+def test_a_family_that_cannot_be_folded_is_refused_by_name_before_any_change(family):
+    model = tiny_model(family)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"does not handle model_type 'gemma2' \(its post-attention and post-feedforward norms"):
+    with pytest.raises(ValueError, match=rf"does not handle model_type '{family}' \(its ") as e:
         rotate_model(model, "hadamard")
+    assert "use rotate: none" in str(e.value) and "llama" in str(e.value)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

@@ -8,6 +8,7 @@ from compress.checkpoint import build_quantization_config, save_quantized, set_m
 from compress.qlinear import QuantLinear
 from compress.quant import Scheme
 from compress.rtn import quantize_weight
+from tiny_models import byte_tokenizer  # noqa: F401  (the export tests' tokenizer)
 
 # hidden 72: a group of 32 leaves a ragged last group of 8; intermediate 128 divides
 FAMILIES = {
@@ -71,16 +72,3 @@ def save(model: nn.Module, folder, scheme: Scheme, act_order: bool = False, toke
     """Save as compress quantize would (a tokenizer is needed: compress.models.load_model reads one)."""
     qc = build_quantization_config(model, "rtn", scheme, act_order)
     return save_quantized(model, tokenizer or byte_tokenizer(), folder, qc)
-
-
-def byte_tokenizer():
-    """A 256-token byte-level tokenizer made offline (vocab = the 256 bytes, no merges)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=sorted(alphabet)[0])
