@@ -264,11 +264,12 @@ EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "onnx", "onnx-int4", "ggu
 @click.option("--format", "fmt", required=True, help=f"Target format: {', '.join(EXPORT_FORMATS)}.")
 @click.option("--out", required=True, type=click.Path(), help="Output folder, or FILE.gguf for gguf (written atomically).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
-@click.option("--dtype", default=None, help="float32 or float16 for the unquantized tensors "
-              "[default: float16 for compressed-tensors/gptq/awq/gguf, float32 for onnx/onnx-int4].")
+@click.option("--dtype", default=None, help="float32, float16 or bfloat16 for the unquantized tensors [default: the "
+              "model's own for compressed-tensors/gptq/awq, float32 for onnx/onnx-int4 (which take no bfloat16), "
+              "float16 for gguf]; float16 only where a float16 forward of a few tokens stays finite.")
 @click.option("--requantize", default=None, help="gguf: round layers whose integers do not map (group size, "
               "act-order, 3-bit, nf4) again by llama.cpp's rules into q4_0, q4_1 or q8_0 (not lossless).")
-@click.option("--embed-type", default=None, help="gguf: f16, f32 or q8_0 for the unquantized matrices "
+@click.option("--embed-type", default=None, help="gguf: f16, bf16, f32 or q8_0 for the unquantized matrices "
               "(embeddings, an fp lm_head) [default: from --dtype].")
 @click.option("--k-quants", is_flag=True, help="gguf: 4-bit layers whose width divides by 256 as Q4_K (our codes, "
               "scales rounded to 6 bits: smaller than Q4_1, not lossless); the others stay Q4_0/Q4_1.")

@@ -115,6 +115,7 @@ class MoEArch:
 class GGUFArch:
     name: str  # general.architecture
     permute_qk: bool  # interleave the rows of each q/k head for NORM rope (compress/export/gguf_arch.py)
+    scalars: tuple[tuple[str, str], ...] = ()  # (key under the architecture, config attribute): float hparams
 
 
 NORMS = ("pre", "sandwich", "post")
@@ -152,6 +153,12 @@ _QK_NORM = AttnLayout(rope_keys=False)
 _GEMMA = dict(norm_offset=1.0, embed_scale=True, default_act="gelu_pytorch_tanh")
 _QWEN_MOE = MoEArch(sparse_step=True)
 
+# llama.cpp's granite: a llama graph scaled by the config's multipliers
+_GRANITE_GGUF = GGUFArch("granite", True, (("attention.scale", "attention_multiplier"),
+                                            ("embedding_scale", "embedding_multiplier"),
+                                            ("residual_scale", "residual_multiplier"),
+                                            ("logit_scale", "logits_scaling")))
+
 FAMILIES: dict[str, Family] = {
     "llama": Family(smooth=LLAMA, attn=_STD, onnx=True, gguf=GGUFArch("llama", True)),
     "mistral": Family(smooth=LLAMA, attn=_STD, onnx=True, gguf=GGUFArch("llama", True)),
@@ -164,7 +171,7 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(fused_proj=True, smooth=PHI3, onnx=True, runtime=False),
     # OLMo 2 normalizes k over all KV heads at once (k_norm of width K * head_dim): no exact KV pooling
     "olmo2": Family(norms="post", qk_norm="proj", smooth=OLMO2, onnx=True, runtime=False),
-    "granite": Family(multipliers=True, smooth=LLAMA, attn=_STD, onnx=True, runtime=False),
+    "granite": Family(multipliers=True, smooth=LLAMA, attn=_STD, onnx=True, runtime=False, gguf=_GRANITE_GGUF),
     # MoE families: onnx=False, the dynamo exporter has no ONNX function for transformers' grouped_mm experts
     # (and onnx-int4 no op for packed experts)
     "mixtral": Family(moe=MoEArch(intermediate_key="intermediate_size", always_renormalize=True, fp32_weights=True,

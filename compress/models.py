@@ -70,6 +70,35 @@ def resolve(spec: str) -> ModelSource:
         f"model {spec!r} not found: give a local Hugging Face folder, a .gguf file, or one of: {known}")
 
 
+def source_config(src: ModelSource, trust_remote_code: bool = False):
+    """The model's config, read without its weights (a GGUF's from its metadata)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, trust_remote_code=trust_remote_code)
+
+
+def declared_dtype(src: ModelSource) -> torch.dtype | None:
+    """The float dtype the model is published in, read without loading it: an HF folder's config ``dtype``
+    (``torch_dtype`` before transformers 5); a compress folder's stored embedding (quantize keeps the tensors
+    outside the blocks in the source's dtype, while its config records the fp32 it computed in); None for a
+    GGUF, whose float type is not the original's."""
+    if src.gguf_file:
+        return None
+    cfg = json.loads((src.path / "config.json").read_text())
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if not src.quantized and isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    from compress.shards import ShardReader
+
+    try:
+        entries = ShardReader(src.path).entries
+    except (FileNotFoundError, ValueError):
+        return None
+    floats = [e.dtype for k, e in entries.items() if e.dtype.is_floating_point]
+    embed = [e.dtype for k, e in entries.items() if k.endswith("embed_tokens.weight")]
+    return (embed or floats or [None])[0]
+
+
 def _check_weights(src: ModelSource, allow_pickle: bool) -> None:
     if src.gguf_file:
         return

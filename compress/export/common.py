@@ -15,8 +15,6 @@ from compress.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
-
 
 @dataclass
 class Source:

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from compress.checkpoint import atomic_dir
-from compress.export import awq, compressed_tensors, gguf, gptq, onnx_fp, onnx_int4
-from compress.export.common import DTYPES, Source, load_source
+from compress.export import awq, compressed_tensors, dtypes, gguf, gptq, onnx_fp, onnx_int4
+from compress.export.common import Source, load_source
 from compress.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ExportFormat:
     """An exporter writes ``source`` into an empty folder (or, with ``suffix``, one file of that suffix);
-    ``check`` says why a layer cannot be carried; ``options`` is the format's own options type, passed whole."""
+    ``check`` says why a layer cannot be carried; ``options`` is the format's own options type, passed whole.
+    ``--dtype`` takes ``dtypes``; left out, it is the model's own where ``own_dtype`` (and in ``dtypes``), else
+    ``default_dtype`` (compress/export/dtypes.py)."""
 
     write: Callable[..., None]  # (source, out, dtype) or, with options, (source, out, dtype, options)
     check: Callable[[QuantLinear], str | None] | None  # None: carries any layer (dequantized)
@@ -30,21 +32,42 @@ class ExportFormat:
     default_dtype: str
     suffix: str | None = None
     options: type | None = None
+    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")  # compress/export/dtypes.py DTYPES
+    own_dtype: bool = False
+    family_step: str | None = None  # the step of compress/families.py that must handle the model type
+    experts: bool = False  # carries packed MoE experts
+    fp16_probe: bool = True  # float16 only after a float16 forward of the model stays finite
 
 
+_ONNX = dict(dtypes=("float32", "float16"), family_step="onnx")  # ONNX Runtime's CPU kernels: no bfloat16
 FORMATS: dict[str, ExportFormat] = {
-    "compressed-tensors": ExportFormat(compressed_tensors.write, compressed_tensors.check, True, "float16"),
-    "gptq": ExportFormat(gptq.write, gptq.check, True, "float16"),
-    "awq": ExportFormat(awq.write, awq.check, True, "float16"),
-    "onnx": ExportFormat(onnx_fp.write, None, False, "float32"),
-    "onnx-int4": ExportFormat(onnx_int4.write, onnx_int4.check, True, "float32"),
-    "gguf": ExportFormat(gguf.write, gguf.check, False, "float16", suffix=".gguf", options=gguf.GGUFOptions),
+    "compressed-tensors": ExportFormat(compressed_tensors.write, compressed_tensors.check, True, "bfloat16",
+                                       own_dtype=True),
+    "gptq": ExportFormat(gptq.write, gptq.check, True, "bfloat16", own_dtype=True),
+    "awq": ExportFormat(awq.write, awq.check, True, "bfloat16", own_dtype=True),
+    "onnx": ExportFormat(onnx_fp.write, None, False, "float32", **_ONNX),
+    "onnx-int4": ExportFormat(onnx_int4.write, onnx_int4.check, True, "float32", **_ONNX),
+    # llama.cpp's own default: F16 matrices; it computes activations in fp32, so float16 needs no probe
+    "gguf": ExportFormat(gguf.write, gguf.check, False, "float16", suffix=".gguf", options=gguf.GGUFOptions,
+                         family_step="gguf", experts=True, fp16_probe=False),
 }
 
 
 def carriers(m: QuantLinear) -> list[str]:
     """The integer formats that can carry this layer as it is."""
     return [name for name, f in FORMATS.items() if f.check is not None and f.check(m) is None]
+
+
+def check_experts(source: Source, fmt: str) -> None:
+    """Refuse packed MoE experts where the format writes tensors per nn.Linear only."""
+    from compress.moe_packed import PackedMoEExperts
+
+    packed = [n for n, m in source.model.named_modules() if isinstance(m, PackedMoEExperts)]
+    if packed and not FORMATS[fmt].experts:
+        can = ", ".join(n for n, f in FORMATS.items() if f.experts)
+        raise ValueError(f"--format {fmt} cannot carry {packed[0]} (packed MoE experts, {len(packed)} layer(s); "
+                         f"it writes tensors per nn.Linear). Formats that can: {can} (for the families with a GGUF "
+                         "architecture in compress/families.py); the compress folder keeps them as they are")
 
 
 def check_layers(source: Source, fmt: str) -> None:
@@ -87,29 +110,36 @@ def atomic_file(out: Path, overwrite: bool = False):
 def export(spec: str, fmt: str, out: str | Path, overwrite: bool = False, dtype: str | None = None,
            options: object | None = None) -> Path:
     """Export the model ``spec`` (a compress quantized folder, an HF folder or a model name) as ``fmt``."""
+    from compress.families import require
+    from compress.models import declared_dtype, resolve, source_config
+
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; use one of: {', '.join(FORMATS)}")
     f = FORMATS[fmt]
     if options is not None and not isinstance(options, f.options or ()):
         raise ValueError(f"--format {fmt} takes no {type(options).__name__}")
-    dtype = dtype or f.default_dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not supported; use one of: {', '.join(DTYPES)}")
     out = Path(out)
     if f.suffix is not None and out.suffix != f.suffix:
         raise ValueError(f"--format {fmt} writes one file: give --out a name ending in {f.suffix}")
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+    src = resolve(spec)
+    if f.family_step is not None:  # before any weight is read
+        require(source_config(src).model_type, f.family_step)
+    dtype = dtypes.choose(fmt, dtype, declared_dtype(src) if f.own_dtype else None, f.dtypes, f.default_dtype)
     source = load_source(spec)
     if source.path is not None and out.resolve() == source.path.resolve():
         raise ValueError(f"--out {out} is the model folder itself; choose another output folder")
     if f.quantized_only and not source.quantized:
         raise ValueError(f"--format {fmt} needs a quantized model and {spec} has no quantized layers; "
                          "run `compress quantize` first, or use --format onnx for a floating-point export")
+    check_experts(source, fmt)
     if getattr(options, "requantize", None) is None:
         check_layers(source, fmt)
+    if dtype == "float16" and f.fp16_probe:
+        dtypes.require_fp16_safe(source.model, source.tokenizer, fmt, "bfloat16" if "bfloat16" in f.dtypes else "float32")
     log.info("exporting %s (%d quantized layers) as %s, %s", spec, len(source.qmodules), fmt, dtype)
-    args = (DTYPES[dtype],) if f.options is None else (DTYPES[dtype], options or f.options())
+    args = (dtypes.DTYPES[dtype],) if f.options is None else (dtypes.DTYPES[dtype], options or f.options())
     with (atomic_file(out, overwrite) if f.suffix else atomic_dir(out, overwrite=overwrite)) as tmp:
         f.write(source, tmp, *args)
     return out

@@ -7,7 +7,7 @@ any multiple of 32 (each block then repeats its group's scale), maps; so does ac
 ``--requantize TYPE``: their dequantized weights are rounded again by llama.cpp's rules, which the file
 records (``compress.requantized``). ``--k-quants`` writes 4-bit layers whose width divides by 256 as ``Q4_K``
 (our codes; each super-block's scales rounded to 6 bits, so not lossless), the rest as above, as llama.cpp
-falls back. Unquantized matrices are ``--embed-type`` (f16, f32 or q8_0); norms, biases and MoE routers
+falls back. Unquantized matrices are ``--embed-type`` (f16, bf16, f32 or q8_0); norms, biases and MoE routers
 stay F32. Model knowledge (names, rotary layout) lives in gguf_arch.py.
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ from compress.quant import QuantizedWeight, Scheme
 log = logging.getLogger(__name__)
 
 REQUANTIZE_TYPES = tuple(gguf_quants.REQUANTIZE)
-EMBED_TYPES = ("f16", "f32", "q8_0")
-FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+EMBED_TYPES = ("f16", "bf16", "f32", "q8_0")
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 FIX = ("re-quantize with `compress quantize ... --group-size 32 --no-act-order` (--sym for Q4_0/Q8_0), "
        f"or pass --requantize {'|'.join(REQUANTIZE_TYPES)} to round the dequantized weights again (not lossless)")
 
@@ -126,9 +126,11 @@ def encode_exact(qw: QuantizedWeight, k_quants: bool = False) -> Encoded:
 
 
 def encode_float(w: Tensor, qtype: str) -> Encoded:
-    """A float matrix as F32, F16 or a block type (rows whose width is not whole blocks fall back to F16)."""
+    """A float matrix as F32, F16, BF16 or a block type (rows whose width is not whole blocks fall back to F16)."""
     if qtype == "f32":
         return Encoded("f32", w.float())
+    if qtype == "bf16":  # numpy has no bfloat16: its bytes, [..., n] -> uint8 [..., 2n]
+        return Encoded("bf16", w.to(torch.bfloat16).contiguous().view(torch.uint8))
     if qtype == "f16" or w.shape[-1] % gguf_quants.BLOCK:
         return Encoded("f16", w.half())
     return Encoded(qtype, gguf_quants.REQUANTIZE[qtype](w))
@@ -188,7 +190,7 @@ def plan_tensors(model: nn.Module, arch: gguf_arch.GGUFArch, options: GGUFOption
             out[f"{n}.{suffix}"] = encode_float(part, _float_type(f"{n}.{suffix}", part, embed_type))
     for mod, lin in quantized_linears(model, packed).items():
         names = gguf_arch.gguf_names(mod)
-        enc = encode_quantized(_stack(lin), mod, options, "f32" if embed_type == "f32" else "f16")
+        enc = encode_quantized(_stack(lin), mod, options, embed_type if embed_type in ("f32", "bf16") else "f16")
         for n, part in zip(names, torch.chunk(enc.data, len(names), dim=-2)):
             out[f"{n}.weight"] = replace(enc, data=part.contiguous())
     return {name: _finish(name, enc, model, arch) for name, enc in out.items()}
@@ -249,7 +251,7 @@ def write(source: Source, path: Path, dtype: torch.dtype, options: GGUFOptions) 
     arch = gguf_arch.arch_of(source.model_type)
     if source.tokenizer is None:
         raise ValueError("--format gguf needs the model's tokenizer beside its weights; none was found")
-    embed_type = options.embed_type or ("f32" if dtype == torch.float32 else "f16")
+    embed_type = options.embed_type or {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype, "f16")
     metadata = {**gguf_arch.hparams(config, arch), **vocab_of(source.tokenizer, config.vocab_size).values()}
     tensors = plan_tensors(model, arch, options, embed_type)
     requantized = sorted(n for n, e in tensors.items() if e.how == "requantized")

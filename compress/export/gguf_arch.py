@@ -101,6 +101,8 @@ def hparams(config, arch: GGUFArch) -> dict[str, int | float]:
     out[f"{arch.name}.rope.freq_base"] = rope_theta(config)
     out[f"{arch.name}.attention.layer_norm_rms_epsilon"] = float(config.rms_norm_eps)
     out[f"{arch.name}.vocab_size"] = int(config.vocab_size)
+    for key, attr in arch.scalars:  # e.g. Granite's multipliers
+        out[f"{arch.name}.{key}"] = float(getattr(config, attr))
     return out
 
 

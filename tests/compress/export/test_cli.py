@@ -26,7 +26,8 @@ def test_export_then_refuse_existing_output(quantized_dir, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--format", "ggml"], "unknown export format"),
-    (["--format", "gptq", "--dtype", "bfloat16"], "--dtype 'bfloat16'"),
+    (["--format", "gptq", "--dtype", "fp8"], "--dtype 'fp8' is not a dtype"),
+    (["--format", "onnx", "--dtype", "bfloat16"], "--format onnx does not take --dtype bfloat16"),
 ])
 def test_bad_flags_are_one_line_errors(quantized_dir, tmp_path, args, message):
     r = CliRunner().invoke(main, ["export", str(quantized_dir(family="llama")), "--out", str(tmp_path / "o"), *args])

@@ -219,8 +219,8 @@ def test_cli_gguf_flags(checkpoint, tmp_path):
     r = CliRunner().invoke(main, ["export", src, "--format", "gptq", "--out", str(tmp_path / "g"), "--requantize", "q4_0"])
     assert r.exit_code == 2 and "apply to --format gguf" in r.output
     r = CliRunner().invoke(main, ["export", src, "--format", "gguf", "--out", str(tmp_path / "x.gguf"),
-                                  "--embed-type", "bf16"])
-    assert r.exit_code == 2 and "--embed-type 'bf16'" in r.output and not (tmp_path / "x.gguf").exists()
+                                  "--embed-type", "f8"])
+    assert r.exit_code == 2 and "--embed-type 'f8'" in r.output and not (tmp_path / "x.gguf").exists()
 
 
 def test_recipes_say_which_gguf_type_they_export_to_losslessly():

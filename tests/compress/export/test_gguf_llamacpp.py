@@ -54,6 +54,7 @@ def _torch_ppl(folder: Path, text: str) -> float:
 @pytest.mark.parametrize("family,bits,sym", [
     ("llama", 4, True), ("llama", 4, False), ("llama", 8, True), ("mistral", 4, True), ("qwen2", 4, False), ("qwen3", 4, True),
     ("gemma", 4, True), ("qwen2_moe", 4, True), ("mixtral", 4, False), ("qwen3_moe", 4, True),
+    ("granite", 4, True),  # its embedding, residual, attention and logit multipliers as granite.* metadata
 ])
 def test_llama_perplexity_matches_the_checkpoint(tmp_path, monkeypatch, family, bits, sym):
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
