@@ -165,13 +165,12 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(smooth=LLAMA, attn=_STD, onnx=True, gguf=GGUFArch("qwen2", False)),
     "qwen3": Family(qk_norm="head", smooth=LLAMA, attn=_QK_NORM, onnx=True, gguf=GGUFArch("qwen3", False)),
     "gemma": Family(**_GEMMA, smooth=GEMMA, attn=_STD, onnx=True, gguf=GGUFArch("gemma", False)),
-    "gemma2": Family(**_GEMMA, norms="sandwich", smooth=GEMMA2, attn=_STD, onnx=True, runtime=False),
-    "gemma3_text": Family(**_GEMMA, norms="sandwich", qk_norm="head", smooth=GEMMA2, attn=_QK_NORM, onnx=True,
-                          runtime=False),
-    "phi3": Family(fused_proj=True, smooth=PHI3, onnx=True, runtime=False),
+    "gemma2": Family(**_GEMMA, norms="sandwich", smooth=GEMMA2, attn=_STD, onnx=True),
+    "gemma3_text": Family(**_GEMMA, norms="sandwich", qk_norm="head", smooth=GEMMA2, attn=_QK_NORM, onnx=True),
+    "phi3": Family(fused_proj=True, smooth=PHI3, onnx=True),
     # OLMo 2 normalizes k over all KV heads at once (k_norm of width K * head_dim): no exact KV pooling
-    "olmo2": Family(norms="post", qk_norm="proj", smooth=OLMO2, onnx=True, runtime=False),
-    "granite": Family(multipliers=True, smooth=LLAMA, attn=_STD, onnx=True, runtime=False, gguf=_GRANITE_GGUF),
+    "olmo2": Family(norms="post", qk_norm="proj", smooth=OLMO2, onnx=True),
+    "granite": Family(multipliers=True, smooth=LLAMA, attn=_STD, onnx=True, gguf=_GRANITE_GGUF),
     # MoE families: onnx=False, the dynamo exporter has no ONNX function for transformers' grouped_mm experts
     # (and onnx-int4 no op for packed experts)
     "mixtral": Family(moe=MoEArch(intermediate_key="intermediate_size", always_renormalize=True, fp32_weights=True,

@@ -26,8 +26,10 @@ class EngineConfig:
     does the same for calls of a few rows and keeps a bf16 copy of each weight for larger calls
     (prefill, batched decoding), where the packed kernels are slow; ``"dequant"`` dequantizes each
     weight once to ``dtype`` (bit-for-bit what ``QuantLinear.forward`` computes, at fp memory and speed).
-    ``dtype="auto"`` picks the compute dtype from the checkpoint and this CPU's features (runtime/cpu.py):
-    bf16 for quantized checkpoints where the CPU multiplies bf16 natively, else the checkpoint's own.
+    ``dtype="auto"`` follows the checkpoint's own dtype (``dtype``/``torch_dtype`` in its config; runtime/cpu.py):
+    float32 stays float32, bfloat16 and float16 checkpoints run bf16 (auto never picks float16), quantized ones bf16
+    for their packed kernels; on a CPU without native bf16, float32. An explicit ``"float16"`` that overflows on
+    the model is refused at load with the fix (runtime/overflow.py).
     ``lm_head`` on CPU: ``"fp"`` keeps the model's head, ``"int8"`` (per channel) / ``"int4"`` (group 32) round it to
     nearest at load; ``"auto"`` is int8 for a quantized checkpoint computed in bf16 (as llama.cpp stores
     SmolLM2's head in Q8_0), else fp. A head that ``compress quantize`` quantized keeps its own format.

@@ -1,10 +1,13 @@
 """What this CPU can do, detected rather than assumed, and the compute dtype that follows from it.
 
 These machines differ from session to session (an Intel Xeon with AMX, an AMD EPYC with AVX-512 BF16 and
-no AMX, ...). ``--dtype auto`` runs bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16):
-the packed int4/int8 kernels and oneDNN's bf16 GEMMs are the fast paths there. Elsewhere bf16 is emulated
-(several times slower than fp32), so ``auto`` keeps fp32. Explicit dtypes that cannot run well are refused
-with the reason.
+no AMX, ...). ``--dtype auto`` follows the checkpoint's own dtype (``dtype``/``torch_dtype`` in its config):
+float32 stays float32, bf16 runs bf16, and float16 runs bf16 (the same size with float32's range; auto never
+picks float16, whose 65504 ceiling Gemma's activations pass). Quantized checkpoints run bf16 for their packed
+kernels. On CPU bf16 is used only where the CPU multiplies it natively (AVX512-BF16 or AMX-BF16): the packed
+int4/int8 kernels and oneDNN's bf16 GEMMs are the fast paths there; elsewhere bf16 is emulated (several times
+slower than fp32), so ``auto`` keeps fp32. Explicit dtypes that cannot run well are refused with the reason;
+an explicit float16 that overflows on the model is refused at load (runtime/overflow.py).
 """
 from __future__ import annotations
 
@@ -68,6 +71,20 @@ class DtypeChoice:
     reason: str
 
 
+def _accelerator_auto(model_dtype: str | None, quantized: bool) -> DtypeChoice:
+    """``auto`` on a GPU: the checkpoint's own dtype, except float16, which becomes bf16 (the same memory with
+    float32's range: Gemma's activations, for one, overflow float16), and quantized checkpoints, whose kernels run
+    bf16 activations. A checkpoint that names no dtype runs bf16, as most current models are stored."""
+    if quantized:
+        return DtypeChoice("bfloat16", "quantized checkpoint: bf16 activations for its kernels")
+    if model_dtype == "float32":
+        return DtypeChoice("float32", "checkpoint stored in float32: its own precision")
+    if model_dtype == "float16":
+        return DtypeChoice("bfloat16", "checkpoint stored in float16: bf16 has the same size and float32's range, "
+                           "so activations beyond float16's 65504 cannot overflow")
+    return DtypeChoice("bfloat16", f"checkpoint stored in {model_dtype or 'an unnamed dtype'}")
+
+
 def resolve_dtype(requested: str, device: str, model_dtype: str | None, quantized: bool,
                   info: CpuInfo | None = None) -> DtypeChoice:
     """The engine's compute dtype for ``requested`` ("auto" or an explicit one) on ``device``.
@@ -78,7 +95,7 @@ def resolve_dtype(requested: str, device: str, model_dtype: str | None, quantize
     if requested not in DTYPES:
         raise ValueError(f"dtype={requested!r} is not supported; use one of {DTYPES}")
     if device != "cpu":
-        return DtypeChoice("bfloat16" if requested == "auto" else requested, f"device {device}")
+        return DtypeChoice(requested, "requested") if requested != "auto" else _accelerator_auto(model_dtype, quantized)
     info = info or cpu_info()
     if requested == "float16" and not info.native_fp16:
         raise ValueError(f"dtype='float16' cannot run well on this CPU ({info.name}: no AVX512-FP16 or AMX-FP16, "

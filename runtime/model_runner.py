@@ -22,6 +22,7 @@ from runtime.kernels.kv_quant import SCALE_DTYPE, kv_bytes_per_token_head, kv_fo
 from runtime.kernels.moe import prepare_experts
 from runtime.models.dispatch import RuntimeConfig, build_model
 from runtime.models.loader import Checkpoint
+from runtime.overflow import check_finite, probe_tokens
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,18 @@ class ModelRunner:
             elif fused:
                 attn.attn_fn = fused_paged_attention
         log.info("small ops and decode attention: %s", self.ops.name)
+        if self.dtype == torch.float16:
+            self._probe_float16(ckpt.config.get("bos_token_id"))
+
+    def _probe_float16(self, bos_token_id: int | None) -> None:
+        """One short forward at load that refuses float16 where the model overflows it (runtime/overflow.py); the
+        blocks it wrote are zeroed again."""
+        ids = probe_tokens(self.vocab_size, bos_token_id)[:self.num_blocks * self.block_size]
+        blocks = -(-len(ids) // self.block_size)
+        self.forward([ForwardItem(ids, 0, list(range(blocks)), len(ids))])  # raises Float16Overflow
+        self.kv_cache[:, :, :blocks].zero_()
+        if self.kv_scales is not None:
+            self.kv_scales[:, :, :blocks].zero_()
 
     def _allocate_kv(self, kv_cache_dtype: str) -> None:
         """The paged pool ``[2, layers, blocks, block_size, Hkv, D]`` in the compute dtype, or 8-bit codes with
@@ -155,9 +168,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> Tensor:
-        """Run the model on ``items``; fp32 logits ``[sum(num_logits), vocab]`` in item order (CPU)."""
+        """Run the model on ``items``; fp32 logits ``[sum(num_logits), vocab]`` in item order (CPU). In float16 they
+        are checked for inf/NaN (runtime/overflow.py)."""
         input_ids, positions, meta, rows = self.prepare(items)
         hidden = self.model(input_ids, positions, meta)
         if rows.numel() == 0:
             return torch.empty(0, self.vocab_size)
-        return self.model.compute_logits(hidden.index_select(0, rows)).cpu()
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).cpu()
+        check_finite(logits, self.dtype)
+        return logits

@@ -21,6 +21,9 @@ take the same tensors. An 8-bit cache (runtime/kernels/kv_quant.py) holds int8/f
 and one fp16 scale per token and KV head in ``k_scale, v_scale: [num_blocks, block_size, num_kv_heads]``; every
 function here takes them as its last two arguments (None: a cache in the compute dtype), quantizes on write and
 dequantizes what it reads, prefill included, so every query sees the keys as stored.
+A ``softcap`` (Gemma 2's ``attn_logit_softcapping``) bounds every score ``s = scale * q.k`` to
+``tanh(s / softcap) * softcap`` before the mask and softmax; every path here takes it as a keyword (the torch
+path then computes the scores itself: SDPA has no soft-capping).
 """
 from __future__ import annotations
 
@@ -87,6 +90,27 @@ def _take(rows: Tensor, scale_rows: Tensor | None, idx: Tensor, dtype: torch.dty
     return x if scale_rows is None else dequantize_kv(x, scale_rows.index_select(0, idx), dtype)
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None, mask: Tensor | None = None,
+           is_causal: bool = False, enable_gqa: bool = False) -> Tensor:
+    """``F.scaled_dot_product_attention`` (``q: [..., H, n, D]``, ``k, v: [..., Hkv, L, D]``, a boolean or additive
+    ``mask``), with scores soft-capped when ``softcap`` is set: then spelled out as transformers' eager attention
+    does (scores in the compute dtype, softmax in fp32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if is_causal:
+        n, length = s.shape[-2], s.shape[-1]
+        mask = torch.ones(n, length, dtype=torch.bool, device=s.device).tril(length - n)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
 def _decode_plan(meta: AttentionMetadata, dtype: torch.dtype, device,
                  window: int | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """(block ids [D * B], additive mask [D, 1, Q, B * block_size], padded-query rows or None), once per forward
@@ -124,7 +148,7 @@ def _effective(window: int | None, longest: int) -> int | None:
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
                      window: int | None = None, k_scale: Tensor | None = None,
-                     v_scale: Tensor | None = None) -> Tensor:
+                     v_scale: Tensor | None = None, softcap: float | None = None) -> Tensor:
     """Batched attention for the decode group: ``q: [sum(decode_q_lens), Hq, D]`` -> same shape."""
     meta.derived.setdefault("block_size", k_cache.shape[1])
     window = _effective(window, meta.max_decode_seq_len or int(meta.decode_seq_lens.max()))
@@ -144,22 +168,21 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
     v = _take(v_cache.view(n_blocks, -1, d), None if v_scale is None else v_scale.view(n_blocks, -1), blocks,
               q.dtype).view(nb, -1, hkv, d)
     if nq == 1:  # plain decoding: [D, Hq, D] already is [D, Hkv, G, D]; no copies
-        o = F.scaled_dot_product_attention(q.reshape(nb, hkv, group, d), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=scale)
+        o = attend(q.reshape(nb, hkv, group, d), k.transpose(1, 2), v.transpose(1, 2), scale, softcap, mask)
         return o.reshape(nb, hq, d)
     # fold each KV head's query heads into the query axis: [D, Q, Hkv, G, D] -> [D, Hkv, G*Q, D]
     qg = q.view(nb, nq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(nb, hkv, group * nq, d)
     m = meta.derived.get(("grouped_mask", window))
     if m is None:  # rows ordered (g, j): row g * Q + j uses query j's mask
         m = meta.derived[("grouped_mask", window)] = mask.repeat(1, 1, group, 1)
-    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m, scale=scale)
+    o = attend(qg, k.transpose(1, 2), v.transpose(1, 2), scale, softcap, m)
     o = o.view(nb, hkv, group, nq, d).permute(0, 3, 1, 2, 4).reshape(nb * nq, hq, d)
     return o if pad is None else o.index_select(0, pad)
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                       scale: float, window: int | None = None, k_scale: Tensor | None = None,
-                      v_scale: Tensor | None = None) -> Tensor:
+                      v_scale: Tensor | None = None, softcap: float | None = None) -> Tensor:
     """Causal attention for the prefill group, one sequence at a time (its new ``k, v`` are already stored)."""
     out = torch.empty_like(q)
     block_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -176,7 +199,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
                 idx = meta.slot_mapping[start:start + n]
                 ki = _take(k_cache.view(-1, hkv, d), k_rows, idx, q.dtype).transpose(0, 1)
                 vi = _take(v_cache.view(-1, hkv, d), v_rows, idx, q.dtype).transpose(0, 1)
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            o = attend(qi, ki, vi, scale, softcap, is_causal=True, enable_gqa=True)
         else:
             idx = slots_of(meta.prefill_block_tables[b:b + 1], ctx + n, block_size)[0]
             ki = _take(k_cache.view(-1, hkv, d), k_rows, idx, q.dtype).transpose(0, 1)  # [Hkv, ctx + n, D]
@@ -185,7 +208,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
             mask = keys[None, :] <= queries[:, None]
             if win is not None:
                 mask &= keys[None, :] > queries[:, None] - win
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = attend(qi, ki, vi, scale, softcap, mask, enable_gqa=True)
         out[start:start + n] = o.transpose(0, 1)
         start += n
     return out
@@ -193,10 +216,10 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                     scale: float, window: int | None = None, k_scale: Tensor | None = None,
-                    v_scale: Tensor | None = None) -> Tensor:
+                    v_scale: Tensor | None = None, softcap: float | None = None) -> Tensor:
     """Store this forward's ``k, v: [T, Hkv, D]`` and attend with ``q: [T, Hq, D]`` -> ``[T, Hq, D]``."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
-    p, scales = meta.num_prefill_tokens, (k_scale, v_scale)
+    p, scales = meta.num_prefill_tokens, (k_scale, v_scale, softcap)
     if p == q.shape[0]:
         return prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, *scales)
     if p == 0:
@@ -207,12 +230,12 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: T
 
 def triton_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                            scale: float, window: int | None = None, k_scale: Tensor | None = None,
-                           v_scale: Tensor | None = None) -> Tensor:
+                           v_scale: Tensor | None = None, softcap: float | None = None) -> Tensor:
     """The same contract on CUDA, through the Triton kernels (runtime/kernels/triton_attention.py)."""
     from runtime.kernels.triton_attention import triton_decode_attention, triton_prefill_attention
 
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
-    p, outs, scales = meta.num_prefill_tokens, [], dict(k_scale=k_scale, v_scale=v_scale)
+    p, outs, scales = meta.num_prefill_tokens, [], dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap)
     if p:
         outs.append(triton_prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables,
                                              meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
@@ -230,7 +253,7 @@ def triton_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_c
 
 def fused_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                           scale: float, window: int | None = None, k_scale: Tensor | None = None,
-                          v_scale: Tensor | None = None) -> Tensor:
+                          v_scale: Tensor | None = None, softcap: float | None = None) -> Tensor:
     """The same contract on CPU with plain-decoding queries (one per sequence) in the fused kernel
     (runtime/kernels/cpu/decode_attention.cpp: one call per layer, reading keys through the block tables in place;
     an 8-bit cache is quantized on write and dequantized in registers there too)."""
@@ -238,13 +261,14 @@ def fused_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_ca
         torch.ops.compress_cpu.write_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
     else:
         torch.ops.compress_cpu.write_kv_q8_(k_cache, v_cache, k_scale, v_scale, k, v, meta.slot_mapping)
-    p, outs, scales = meta.num_prefill_tokens, [], (k_scale, v_scale)
+    p, outs, scales = meta.num_prefill_tokens, [], (k_scale, v_scale, softcap)
     if p:
         outs.append(prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta, scale, window, *scales))
     if q.shape[0] > p:
         if meta.max_decode_q_len == 1:
             outs.append(torch.ops.compress_cpu.paged_decode_attention(
-                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window or 0, *scales))
+                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window or 0, k_scale,
+                v_scale, softcap or 0.0))
         else:  # verifying drafts: a few queries per sequence
             outs.append(decode_attention(q[p:], k_cache, v_cache, meta, scale, window, *scales))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

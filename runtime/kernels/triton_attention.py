@@ -20,6 +20,8 @@ probabilities (after the softmax sum), so the dequantized tiles are never formed
 A sliding ``window`` (runtime/kernels/attention.py) bounds keys from below too: query position ``i``
 sees keys ``i - window < j <= i``; key tiles wholly before a tile's window are skipped (``NO_WINDOW``,
 a bound past any position, stands for full attention).
+A ``softcap`` (Gemma 2; ``SOFTCAP``) bounds each score to ``tanh(s / softcap) * softcap`` before the mask; the
+kernels apply it in log2 units (``cap = softcap * log2(e)``, the same map) with tanh spelled through ``exp2``.
 """
 from __future__ import annotations
 
@@ -33,16 +35,24 @@ from torch import Tensor
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(NEG_BIG - NEG_BIG) is 1, not NaN
 NO_WINDOW = 1 << 30  # a window no sequence reaches: full causal attention
+TWO_LOG2E = tl.constexpr(2 * LOG2E)
+
+
+@triton.jit
+def _softcap(s, cap):
+    """``cap * tanh(s / cap)``, tanh(y) as 1 - 2 / (e^(2y) + 1); 2y * log2(e) is clamped at 64, where the
+    quotient is already below fp32's resolution of 1 (so e^(2y) never overflows)."""
+    return cap * (1.0 - 2.0 / (tl.exp2(tl.minimum(s * (TWO_LOG2E / cap), 64.0)) + 1.0))
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
-    qk_scale, block_size, head_dim, window,
+    qk_scale, softcap, block_size, head_dim, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     stride_btb, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
@@ -79,6 +89,8 @@ def _prefill_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN], log2 units
         if QUANT:
             s = s * k_s[None, :]
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         visible = ((ctx + offs_m)[:, None] >= offs_n[None, :]) & n_ok[None, :]
         visible = visible & (offs_n[None, :] > (ctx + offs_m)[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -102,11 +114,11 @@ def _prefill_kernel(
 @triton.jit
 def _decode_partition_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, block_size, head_dim, num_partitions, window,
+    qk_scale, softcap, block_size, head_dim, num_partitions, window,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     stride_btb,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -136,6 +148,8 @@ def _decode_partition_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BG, BN]
         if QUANT:
             s = s * k_s[None, :]
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -216,6 +230,13 @@ def _window(window: int | None) -> int:
     return NO_WINDOW if window is None else min(window, NO_WINDOW)
 
 
+def _cap(softcap: float | None) -> float:
+    """The soft-cap in the kernels' log2 units (1.0, unread, without one)."""
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap={softcap} must be > 0, or None for no soft-capping")
+    return 1.0 if softcap is None else softcap * LOG2E
+
+
 def _precision(t: Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 else "tf32"
 
@@ -223,13 +244,14 @@ def _precision(t: Tensor) -> str:
 def triton_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                              cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float | None = None,
                              max_query_len: int | None = None, window: int | None = None,
-                             k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+                             k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                             softcap: float | None = None) -> Tensor:
     """Causal attention of new tokens ``q: [total_q, Hq, D]`` over their sequences' paged keys.
 
     ``cu_seqlens_q: [B+1]`` delimits each sequence's queries in ``q``; ``seq_lens: [B]`` counts its
     cached context plus new tokens; ``block_tables: [B, max_blocks]`` maps its logical blocks to pool
     blocks; ``window`` limits each query to its last ``window`` positions; ``k_scale, v_scale`` are an 8-bit
-    cache's scales. Returns ``[total_q, Hq, D]`` in ``q.dtype``.
+    cache's scales; ``softcap`` soft-caps the scores. Returns ``[total_q, Hq, D]`` in ``q.dtype``.
     """
     _, group, d = _check_cache(q, k_cache, v_cache)
     ks, vs, stride_sb, stride_ss = _scales(k_cache, k_scale, v_scale)
@@ -244,12 +266,12 @@ def triton_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_
     grid = (triton.cdiv(max_query_len, block_m), batch, q.shape[1])
     _prefill_kernel[grid](
         q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * LOG2E, k_cache.shape[1], d, _window(window),
+        scale * LOG2E, _cap(softcap), k_cache.shape[1], d, _window(window),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_sb, stride_ss, block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
-        DOT_PRECISION=_precision(q), QUANT=k_scale is not None,
+        DOT_PRECISION=_precision(q), QUANT=k_scale is not None, SOFTCAP=softcap is not None,
     )
     return out
 
@@ -257,9 +279,10 @@ def triton_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_
 def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                             scale: float | None = None, max_seq_len: int | None = None,
                             partition_size: int = 256, window: int | None = None, k_scale: Tensor | None = None,
-                            v_scale: Tensor | None = None) -> Tensor:
+                            v_scale: Tensor | None = None, softcap: float | None = None) -> Tensor:
     """One query token per sequence, ``q: [B, Hq, D]``, over its ``seq_lens[b]`` cached keys (the last
-    ``window`` of them with a sliding window; an 8-bit cache with its scales) -> ``[B, Hq, D]``."""
+    ``window`` of them with a sliding window; an 8-bit cache with its scales; scores soft-capped by ``softcap``)
+    -> ``[B, Hq, D]``."""
     hkv, group, d = _check_cache(q, k_cache, v_cache)
     ks, vs, stride_sb, stride_ss = _scales(k_cache, k_scale, v_scale)
     batch, hq = q.shape[0], q.shape[1]
@@ -280,11 +303,12 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     part_l = torch.empty(batch, hq, parts, **f32)
     _decode_partition_kernel[(batch, hkv, parts)](
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, part_out, part_m, part_l,
-        scale * LOG2E, k_cache.shape[1], d, parts, _window(window),
+        scale * LOG2E, _cap(softcap), k_cache.shape[1], d, parts, _window(window),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_sb, stride_ss, block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         PARTITION=partition_size, DOT_PRECISION=_precision(q), QUANT=k_scale is not None,
+        SOFTCAP=softcap is not None,
     )
     _decode_reduce_kernel[(batch, hq)](
         part_out, part_m, part_l, out, d, parts, out.stride(0), out.stride(1),

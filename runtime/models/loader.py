@@ -267,20 +267,25 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, max_positions: int) -> Dec
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         att = layer.self_attn
-        att.qkv_proj = fuse([_linear(ckpt, p + "self_attn.q_proj", h, hq * d, dtype),
-                             _linear(ckpt, p + "self_attn.k_proj", h, hkv * d, dtype),
-                             _linear(ckpt, p + "self_attn.v_proj", h, hkv * d, dtype)])
+        if cfg.arch.fused_proj:  # stored fused (Phi-3): taken as it is, quantized or not
+            att.qkv_proj = _linear(ckpt, p + "self_attn.qkv_proj", h, (hq + 2 * hkv) * d, dtype)
+        else:
+            att.qkv_proj = fuse([_linear(ckpt, p + "self_attn.q_proj", h, hq * d, dtype),
+                                 _linear(ckpt, p + "self_attn.k_proj", h, hkv * d, dtype),
+                                 _linear(ckpt, p + "self_attn.v_proj", h, hkv * d, dtype)])
         att.o_proj = _linear(ckpt, p + "self_attn.o_proj", hq * d, h, dtype)
         if att.q_norm is not None:
             _copy(att.q_norm.weight, t[p + "self_attn.q_norm.weight"], p + "self_attn.q_norm.weight")
             _copy(att.k_norm.weight, t[p + "self_attn.k_norm.weight"], p + "self_attn.k_norm.weight")
         if isinstance(layer.mlp, SparseMoE):
             load_moe(ckpt, layer.mlp, p, cfg.arch.moe, dtype)
+        elif cfg.arch.fused_proj:
+            layer.mlp.gate_up_proj = _linear(ckpt, p + "mlp.gate_up_proj", h, 2 * inter, dtype)
+            layer.mlp.down_proj = _linear(ckpt, p + "mlp.down_proj", inter, h, dtype)
         else:
             load_mlp(ckpt, layer.mlp, p + "mlp.", h, inter, dtype)
-        _copy(layer.input_layernorm.weight, t[p + "input_layernorm.weight"], p + "input_layernorm.weight")
-        _copy(layer.post_attention_layernorm.weight, t[p + "post_attention_layernorm.weight"],
-              p + "post_attention_layernorm.weight")
+        for name in layer.norm_names:  # the family's norms (runtime/models/blocks.py NORM_ROLES)
+            _copy(getattr(layer, name).weight, t[p + name + ".weight"], p + name + ".weight")
     if "lm_head" in ckpt.quant_modules or not cfg.tie_word_embeddings:
         model.lm_head = _linear(ckpt, "lm_head", h, cfg.vocab_size, dtype)
     return model.eval().requires_grad_(False)

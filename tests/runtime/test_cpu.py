@@ -34,7 +34,19 @@ def test_explicit_dtypes():
     assert resolve_dtype("float32", "cpu", "bfloat16", quantized=True, info=AMX).dtype == "float32"
     assert resolve_dtype("float16", "cpu", None, quantized=False, info=FP16).dtype == "float16"
     assert resolve_dtype("bfloat16", "cuda", None, quantized=False, info=OLD).dtype == "bfloat16"
-    assert resolve_dtype("auto", "cuda", None, quantized=False, info=OLD).dtype == "bfloat16"
+    assert resolve_dtype("float16", "cuda", "bfloat16", quantized=False, info=OLD).dtype == "float16"
+
+
+@pytest.mark.parametrize("model_dtype,quantized,expected", [
+    ("bfloat16", False, "bfloat16"),  # Gemma and most current checkpoints
+    ("float32", False, "float32"),  # fp32 stays fp32
+    ("float16", False, "bfloat16"),  # never float16 by default: the same size with float32's range
+    (None, False, "bfloat16"),
+    ("float32", True, "bfloat16"),  # quantized: bf16 activations for the packed kernels
+])
+def test_auto_on_a_gpu_follows_the_checkpoint(model_dtype, quantized, expected):
+    choice = resolve_dtype("auto", "cuda", model_dtype, quantized=quantized, info=OLD)
+    assert choice.dtype == expected and choice.reason
 
 
 def test_dtypes_this_cpu_cannot_run_are_refused_with_the_reason():

@@ -1,4 +1,5 @@
-"""The engine against transformers' generate, on tiny random models of each family (fp32, greedy), dense and MoE."""
+"""The engine against transformers' generate, on tiny random models of each family (fp32, greedy), dense and MoE;
+and float16 refused where a model's activations overflow it."""
 import threading
 
 import pytest
@@ -9,8 +10,9 @@ from runtime.engine import Engine
 from runtime.kernels import w8a8
 from runtime.sequence import SamplingParams
 from tiny_engine import hf_greedy, prompts, save_tiny
-from tiny_models import FAMILIES, MOE_FAMILIES
+from tiny_models import FAMILIES, MOE_FAMILIES, NEW_FAMILIES
 
+DENSE = FAMILIES + NEW_FAMILIES  # NEW_FAMILIES: issue 15's bring-up (sandwich/post norms, soft-capping, multipliers)
 N_NEW = 12
 GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
 
@@ -19,14 +21,14 @@ GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
 def tiny_dirs(tmp_path_factory, smol_tokenizer):
     """family -> (folder, HF model), each with the SmolLM2 tokenizer and vocab_size=len(tokenizer)."""
     out = {}
-    for fam in FAMILIES + MOE_FAMILIES:
+    for fam in DENSE + MOE_FAMILIES:
         path = tmp_path_factory.mktemp(fam)
         out[fam] = (str(path), save_tiny(fam, path, smol_tokenizer))
     return out
 
 
 @pytest.mark.parametrize("chunk", [2048, 8])
-@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
+@pytest.mark.parametrize("family", DENSE + MOE_FAMILIES)
 def test_greedy_matches_transformers(tiny_dirs, family, chunk):
     path, hf = tiny_dirs[family]
     engine = Engine(EngineConfig(model=path, kv_cache_memory=1 << 24, max_num_batched_tokens=chunk, block_size=8))
@@ -43,6 +45,9 @@ SLIDING = {  # an 8-token window, shorter than most prompts below
     "mistral": {"sliding_window": 8},
     "qwen2": {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]},
     "mixtral": {"sliding_window": 8},
+    "phi3": {"sliding_window": 8},  # every layer
+    "gemma2": {},  # tests/tiny_models.py: window 8 on alternate layers, soft-capped scores
+    "gemma3_text": {},  # window 8 on the sliding layers, which rotate with their own rope
 }
 
 
@@ -237,6 +242,81 @@ def test_quantized_checkpoint_matches_transformers_with_the_same_quantlinears(tm
     assert (got - ref).norm() / ref.norm() < (4e-2 if path == "w8a8" else 2e-2)
 
 
+def rtn4_folder(hf, path) -> None:
+    """``hf`` with every linear but the head replaced by its rtn4 QuantLinear (in place), saved as compress does."""
+    from compress.checkpoint import build_quantization_config, save_quantized, set_module
+    from compress.qlinear import QuantLinear
+    from compress.quant import Scheme
+    from compress.rtn import quantize_weight
+
+    scheme = Scheme(bits=4, group_size=32, sym=False)
+    for name, mod in list(hf.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and name != "lm_head":
+            set_module(hf, name, QuantLinear.from_quantized(quantize_weight(mod.weight.data, scheme), bias=mod.bias))
+    save_quantized(hf, None, path, build_quantization_config(hf, "rtn", scheme))
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_new_families_torch_ops_path_and_logits(tiny_dirs, family):
+    """The torch reference ops give transformers' greedy tokens too (the default path runs the fused CPU kernels),
+    and the first step's logits equal transformers' (greedy tokens cannot see Gemma 2's final soft-capping or
+    Granite's logits_scaling: both keep the argmax)."""
+    from runtime.model_runner import ForwardItem
+
+    path, hf = tiny_dirs[family]
+    engine = Engine(EngineConfig(model=path, kv_cache_memory=1 << 22, max_num_batched_tokens=8, block_size=4,
+                                 fused_cpu_kernels=False))
+    assert engine.runner.ops.name == "torch"
+    ps = prompts(hf.config.vocab_size, (5, 21, 40), seed=12)
+    assert [o.token_ids for o in engine.generate(ps, GREEDY)] == [hf_greedy(hf, p, N_NEW) for p in ps]
+    p = ps[2]
+    got = engine.runner.forward([ForwardItem(p, 0, list(range(-(-len(p) // 4))), len(p))])
+    with torch.no_grad():
+        ref = hf(torch.tensor([p])).logits[0]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_rtn4_checkpoint_matches_transformers(tmp_path, family, fused):
+    """An rtn4 folder of each new family (Phi-3's fused qkv_proj and gate_up_proj quantized as stored) served with
+    dequantized weights gives the greedy tokens of transformers running the same QuantLinears, across the windows."""
+    hf = save_tiny(family, tmp_path / "fp", overrides=SLIDING.get(family))
+    rtn4_folder(hf, tmp_path / "q")
+    engine = Engine(EngineConfig(model=str(tmp_path / "q"), kv_cache_memory=1 << 22, block_size=4, dtype="float32",
+                                 quant_kernel="dequant", fused_cpu_kernels=fused))
+    assert sum(engine.runner.kernel_paths.values()) == 4 * hf.config.num_hidden_layers  # qkv, o, gate_up, down
+    ps = prompts(hf.config.vocab_size, (5, 21, 40), seed=13)
+    assert [o.token_ids for o in engine.generate(ps, GREEDY)] == [hf_greedy(hf, p, N_NEW) for p in ps]
+
+
+def test_float16_is_refused_where_activations_overflow_it(tmp_path, monkeypatch):
+    """A Gemma 2 whose residual stream passes 65504 (a post-feedforward norm scaled up, as Gemma's massive
+    activations do) serves in bf16 and fp32, but float16 is refused at load, naming the fix, instead of generating
+    from NaN logits; a model within range serves in float16 (on a CPU that runs it: mocked here)."""
+    from runtime import cpu
+    from runtime.overflow import Float16Overflow
+
+    monkeypatch.setattr(cpu, "cpu_info", lambda: cpu.CpuInfo("a CPU with AMX-FP16", 2, amx_bf16=True, amx_fp16=True))
+    fine = save_tiny("gemma2", tmp_path / "fine")
+    p = prompts(fine.config.vocab_size, (9,), seed=14)[0]
+    engine = Engine(EngineConfig(model=str(tmp_path / "fine"), kv_cache_memory=1 << 22, dtype="float16"))
+    assert engine.dtype == "float16"
+    assert engine.generate([p], GREEDY)[0].token_ids == hf_greedy(fine, p, N_NEW)
+    loud = save_tiny("gemma2", tmp_path / "loud")
+    with torch.no_grad():
+        loud.model.layers[0].post_feedforward_layernorm.weight.fill_(3e4)
+        peak = max(h.abs().max() for h in loud(torch.tensor([p]), output_hidden_states=True).hidden_states)
+    assert peak > torch.finfo(torch.float16).max
+    loud.save_pretrained(tmp_path / "loud")
+    with pytest.raises(Float16Overflow, match="exceed float16's range.*--dtype bfloat16"):
+        Engine(EngineConfig(model=str(tmp_path / "loud"), kv_cache_memory=1 << 22, dtype="float16"))
+    for dtype in ("bfloat16", "float32"):
+        out = Engine(EngineConfig(model=str(tmp_path / "loud"), kv_cache_memory=1 << 22, dtype=dtype))
+        assert out.generate([p], GREEDY)[0].completion_tokens == N_NEW
+    assert Engine(EngineConfig(model=str(tmp_path / "loud"), kv_cache_memory=1 << 22)).dtype == "float32"  # auto: own
+
+
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_compress_quantized_moe_matches_the_torch_quantized_model(tiny_dirs, tmp_path, calib_text, family, method):
@@ -248,8 +328,8 @@ def test_compress_quantized_moe_matches_the_torch_quantized_model(tiny_dirs, tmp
     from compress.job import quantize_to_folder
 
     out = tmp_path / "q"
-    cfg = QuantizeConfig(method=method, bits=4, group_size=32, calib=str(calib_text), nsamples=8, seqlen=64,
-                         search_tokens=256)
+    cfg = QuantizeConfig.from_flat(method=method, bits=4, group_size=32, calib=str(calib_text), nsamples=8, seqlen=64,
+                                   search_tokens=256)
     quantize_to_folder(tiny_dirs[family][0], cfg, str(out))
     ref = load_quantized(out)
     assert all(isinstance(layer.mlp.experts, PackedMoEExperts) for layer in ref.model.layers)

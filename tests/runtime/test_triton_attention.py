@@ -23,9 +23,9 @@ def ta():
     return ta
 
 
-def ref_attention(q, k_cache, v_cache, block_table, seq_len, scale, window=None):
+def ref_attention(q, k_cache, v_cache, block_table, seq_len, scale, window=None, softcap=None):
     """q: [n, Hq, D], the last n of seq_len positions -> [n, Hq, D] (fp32 math); ``window``: each query sees
-    only its last ``window`` positions."""
+    only its last ``window`` positions; ``softcap``: scores s -> tanh(s / softcap) * softcap."""
     n, hq, _ = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     pos = torch.arange(seq_len, device=q.device)
@@ -35,6 +35,8 @@ def ref_attention(q, k_cache, v_cache, block_table, seq_len, scale, window=None)
     k = k.repeat_interleave(hq // hkv, dim=1)  # query head h reads KV head h // group
     v = v.repeat_interleave(hq // hkv, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
     s = s.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
     if window is not None:
@@ -154,6 +156,36 @@ def test_sliding_window_prefill_and_decode(ta, window):
         torch.testing.assert_close(dec[b], ref[-1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("softcap", [0.7, 30.0])  # changes every softmax; a cap far above the scores
+@pytest.mark.parametrize("window", [None, 7])
+def test_softcap_prefill_and_decode(ta, softcap, window):
+    """Gemma 2's attention soft-capping in both kernels (scores in log2 units inside: the same map), with
+    contexts, GQA, a window, and several decode partitions; fp32 against the reference, fp16 within rounding (the
+    interpreter does not run bf16)."""
+    gen = torch.Generator().manual_seed(int(softcap * 10) + (window or 0))
+    d, block_size, hq, hkv = 16, 8, 4, 2
+    ctx_new = [(0, 37), (50, 30), (3, 2), (90, 1)]
+    seq_lens = [c + n for c, n in ctx_new]
+    k_cache, v_cache, table = paged_setup(seq_lens, block_size, hkv, d, torch.float32, gen)
+    q_lens = [n for _, n in ctx_new]
+    q = (torch.randn(sum(q_lens), hq, d, generator=gen) * 2).to(DEVICE)  # scores of spread ~2 at scale 0.25
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    last = cu[1:].long() - 1
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
+        qd, kd, vd = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+        pre = ta.triton_prefill_attention(qd, kd, vd, table, cu, sl, 0.25, window=window, softcap=softcap)
+        dec = ta.triton_decode_attention(qd[last], kd, vd, table, sl, 0.25, partition_size=32, window=window,
+                                         softcap=softcap)
+        for b, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            ref = ref_attention(qd[start:end], kd, vd, table[b], seq_lens[b], 0.25, window, softcap)
+            torch.testing.assert_close(pre[start:end].float(), ref, rtol=tol, atol=tol)
+            torch.testing.assert_close(dec[b].float(), ref[-1], rtol=tol, atol=tol)
+    if softcap < 1:  # the cap is applied, not skipped
+        plain = ta.triton_decode_attention(q[last], k_cache, v_cache, table, sl, 0.25, partition_size=32, window=window)
+        assert not torch.allclose(plain, dec.float(), atol=1e-2)
+
+
 def make_meta(prefill, decode, block_size, num_blocks, gen):
     """AttentionMetadata for prefill chunks ``[(ctx, n)]`` then decode sequences ``[(ctx, q)]``, with shuffled
     block tables, plus the slot of every new token."""
@@ -185,6 +217,7 @@ def make_meta(prefill, decode, block_size, num_blocks, gen):
         max_decode_seq_len=max((c + n for c, n in decode), default=0))
 
 
+@pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1)])
 @pytest.mark.parametrize("prefill,decode", [
@@ -192,7 +225,7 @@ def make_meta(prefill, decode, block_size, num_blocks, gen):
     ([], [(20, 1), (9, 1), (33, 1)]),  # plain decoding: flash-decoding
     ([(0, 9)], [(20, 3), (9, 1), (33, 5)]),  # mixed, with speculative verification (several queries)
 ])
-def test_paged_attention_matches_engine_reference(ta, hq, hkv, prefill, decode, window):
+def test_paged_attention_matches_engine_reference(ta, hq, hkv, prefill, decode, window, softcap):
     """The engine's CUDA path (attention.triton_paged_attention, on these kernels) against its torch path."""
     from runtime.kernels.attention import paged_attention, triton_paged_attention
 
@@ -206,8 +239,8 @@ def test_paged_attention_matches_engine_reference(ta, hq, hkv, prefill, decode, 
     kc = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(DEVICE)
     vc = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(DEVICE)
     kc2, vc2 = kc.clone(), vc.clone()
-    ref = paged_attention(q, k, v, kc, vc, meta, 0.25, window)
-    out = triton_paged_attention(q, k, v, kc2, vc2, meta, 0.25, window)
+    ref = paged_attention(q, k, v, kc, vc, meta, 0.25, window, softcap=softcap)
+    out = triton_paged_attention(q, k, v, kc2, vc2, meta, 0.25, window, softcap=softcap)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 

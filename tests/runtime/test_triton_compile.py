@@ -43,19 +43,23 @@ def moe(dt, m, quant, bits=4, zeros=True, gidx=False, nf4=False):
                    HAS_GIDX=gidx, IS_NF4=nf4, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk))
 
-def attention(dt, group, head_dim, max_q, kv=None):
-    """kv: None (a cache in dt), "i8" or "fp8e4nv" (8-bit codes with fp16 scales: runtime/kernels/kv_quant.py)"""
+def attention(dt, group, head_dim, max_q, kv=None, softcap=False):
+    """kv: None (a cache in dt), "i8" or "fp8e4nv" (8-bit codes with fp16 scales: runtime/kernels/kv_quant.py);
+    softcap: Gemma 2's soft-capped scores"""
     bd = triton.next_power_of_2(head_dim)
     prec = "ieee" if dt == "fp32" else "tf32"
     cache = kv or dt
     ptrs = dict(q_ptr=f"*{dt}", k_ptr=f"*{cache}", v_ptr=f"*{cache}", ks_ptr="*fp16" if kv else f"*{cache}",
-                vs_ptr="*fp16" if kv else f"*{cache}", bt_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32")
+                vs_ptr="*fp16" if kv else f"*{cache}", bt_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32",
+                softcap="fp32")
     bm, bn = ta.prefill_tiles(max_q, head_dim)
     compile_kernel(ta._prefill_kernel, {**ptrs, "cu_q_ptr": "*i32", "out_ptr": f"*{dt}"},
-                   dict(GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=prec, QUANT=kv is not None))
+                   dict(GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=prec, QUANT=kv is not None,
+                        SOFTCAP=softcap))
     compile_kernel(ta._decode_partition_kernel, {**ptrs, "part_out_ptr": "*fp32", "part_m_ptr": "*fp32",
                    "part_l_ptr": "*fp32"}, dict(GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                   BLOCK_N=32, BLOCK_D=bd, PARTITION=256, DOT_PRECISION=prec, QUANT=kv is not None))
+                   BLOCK_N=32, BLOCK_D=bd, PARTITION=256, DOT_PRECISION=prec, QUANT=kv is not None,
+                   SOFTCAP=softcap))
     if kv:
         return
     compile_kernel(ta._decode_reduce_kernel, dict(part_out_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
@@ -66,6 +70,7 @@ attention("fp16", 3, 64, 512)   # SmolLM2-135M: 9 query heads over 3 KV heads of
 moe("fp16", 8, True)            # w4a16 grouped MoE GEMM
 moe("fp16", 8, False)           # fp experts
 attention("fp16", 3, 64, 512, "i8")  # the int8 KV cache
+attention("bf16", 2, 256, 512, softcap=True)  # Gemma 2: soft-capped scores, head_dim 256
 if sys.argv[2] == "all":
     qmm("bf16", 300, 4, False, True, False)
     qmm("fp32", 300, 3, False, False, True)
@@ -103,12 +108,12 @@ needs_ptxas = pytest.mark.skipif(_ptxas() is None, reason="this Triton install h
 @needs_ptxas
 def test_kernels_compile_for_hopper(tmp_path):
     """fp16 (the serving dtype): the dequant-GEMM, the three attention kernels, the grouped MoE GEMM (int4, fp),
-    the two attention kernels on an int8 KV cache."""
-    assert _compile("fp16", tmp_path).count(" ok") == 8
+    the two attention kernels on an int8 KV cache; the three with Gemma 2's soft-capping (bf16)."""
+    assert _compile("fp16", tmp_path).count(" ok") == 11
 
 
 @needs_ptxas
 @pytest.mark.slow
 def test_every_dtype_and_variant_compiles(tmp_path):
     """bf16 and fp32 too, act-order g_idx, nf4, 3-bit, MQA, head_dim 128 and a non-power-of-two 80, fp8 KV."""
-    assert _compile("all", tmp_path).count(" ok") == 20
+    assert _compile("all", tmp_path).count(" ok") == 23

@@ -13,6 +13,9 @@
 // is read as codes and dequantized in registers: a key's dot product runs over its codes and is scaled once,
 // a value's codes are added with the probability times its scale. write_kv_q8_ quantizes new tokens the way
 // quantize_kv does, bit for bit (the same fp32 divisions and roundings).
+//
+// A softcap > 0 (Gemma 2's attn_logit_softcapping) bounds each score s = scale * q.k to tanh(s / cap) * cap
+// before the softmax, as the torch path does.
 #include "common.h"
 
 #include <ATen/ATen.h>
@@ -106,7 +109,7 @@ struct Unit {  // keys [j0, j1) of sequence b's window, all heads
 
 struct Problem {
   int64_t q_row, q_head, hq, hkv, d, block_size, width, window;
-  float scale;
+  float scale, softcap;  // softcap <= 0: none
   const int32_t* tables;
   const int32_t* lens;
   int64_t start(int64_t b) const { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; }
@@ -149,6 +152,10 @@ void attend(const Unit& u, const Problem& p, const T* q, const C* kc, const C* v
       const int64_t r = rows[j] + h / group;
       scores[h * n + j] = dot(qf.data() + h * d, kc + r * d, d) * (row_scale<C>(ks, r) * p.scale);
     }
+  }
+  if (p.softcap > 0.f) {
+    const float cap = p.softcap;
+    for (int64_t i = 0; i < hq * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
   }
   for (int64_t h = 0; h < hq; ++h) {
     float* s = scores.data() + h * n;
@@ -247,7 +254,7 @@ void check_scales(const at::Tensor& scales, const at::Tensor& cache, const char*
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                   int64_t window, const std::optional<at::Tensor>& k_scale,
-                                  const std::optional<at::Tensor>& v_scale) {
+                                  const std::optional<at::Tensor>& v_scale, double softcap) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "q must be a CPU [B, Hq, D] tensor, "
               "contiguous in D");
   check_cpu(k_cache, "k_cache");
@@ -271,7 +278,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty({b, hq, d}, q.options());
   if (b == 0) return out;
   const Problem p{q.stride(0), q.stride(1), hq, hkv, d, k_cache.size(1), block_tables.size(1), window,
-                  static_cast<float>(scale), block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>()};
+                  static_cast<float>(scale), static_cast<float>(softcap), block_tables.data_ptr<int32_t>(),
+                  seq_lens.data_ptr<int32_t>()};
   const at::Half* ks = scaled ? k_scale->data_ptr<at::Half>() : nullptr;
   const at::Half* vs = scaled ? v_scale->data_ptr<at::Half>() : nullptr;
   DISPATCH_F32_BF16(q.scalar_type(), "paged_decode_attention", [&] {
@@ -344,7 +352,7 @@ void write_kv_q8_(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scale, at
 
 TORCH_LIBRARY_FRAGMENT(compress_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, int window, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor", &paged_decode_attention);
+        "float scale, int window, Tensor? k_scale=None, Tensor? v_scale=None, float softcap=0.0) -> Tensor", &paged_decode_attention);
   m.def("write_kv_q8_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor k, "
         "Tensor v, Tensor slots) -> ()", &write_kv_q8_);
 }
