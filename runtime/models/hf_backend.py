@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.kernels.attention import AttentionMetadata, paged_attention, slots_of, write_kv
-from runtime.kernels.kv_quant import dequantize_kv
+from runtime.kernels.attention import AttentionMetadata, paged_attention
 from runtime.models.llama import AttentionFn
 
 log = logging.getLogger(__name__)
@@ -161,42 +160,6 @@ class PagedForward:
     layers: list[PagedLayer]
 
 
-def _sequences(meta: AttentionMetadata) -> list[tuple[int, int, Tensor]]:
-    """(new tokens, cached tokens, block table [1, blocks]) of every sequence, in the forward's token order."""
-    seqs = [(n, ctx, meta.prefill_block_tables[b:b + 1])
-            for b, (n, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_ctx_lens))]
-    seq_lens = meta.decode_seq_lens.tolist()
-    return seqs + [(n, seq_lens[b] - n, meta.decode_block_tables[b:b + 1]) for b, n in enumerate(meta.decode_q_lens)]
-
-
-def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, layer: PagedLayer, meta: AttentionMetadata, scale: float,
-                         window: int | None, softcap: float) -> Tensor:
-    """Paged attention with scores soft-capped (``tanh(s / cap) * cap``, Gemma 2), one sequence at a time in
-    torch: the runtime's kernels do not cap scores. ``q: [T, Hq, D]``, ``k, v: [T, Hkv, D]`` -> ``[T, Hq, D]``."""
-    write_kv(layer.k_cache, layer.v_cache, k, v, meta.slot_mapping, layer.k_scale, layer.v_scale)
-    block_size, hkv, d = layer.k_cache.shape[1:]
-    group = q.shape[1] // hkv
-    out, start = torch.empty_like(q), 0
-    for n, ctx, table in _sequences(meta):
-        idx = slots_of(table, ctx + n, block_size)[0]
-        keys, values = layer.k_cache.view(-1, hkv, d)[idx], layer.v_cache.view(-1, hkv, d)[idx]  # [L, Hkv, D]
-        if layer.k_scale is not None:
-            keys = dequantize_kv(keys, layer.k_scale.view(-1, hkv)[idx], q.dtype)
-            values = dequantize_kv(values, layer.v_scale.view(-1, hkv)[idx], q.dtype)
-        qi = q[start:start + n].float().view(n, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
-        s = qi @ keys.float().permute(1, 2, 0)[:, None] * scale  # [Hkv, G, n, L]
-        s = torch.tanh(s / softcap) * softcap
-        pos, key_pos = torch.arange(ctx, ctx + n)[:, None], torch.arange(ctx + n)[None, :]
-        visible = key_pos <= pos
-        if window is not None:
-            visible &= key_pos > pos - window
-        p = s.masked_fill(~visible.to(s.device), float("-inf")).softmax(-1)
-        o = p @ values.float().transpose(0, 1)[:, None]  # [Hkv, G, n, D]
-        out[start:start + n] = o.permute(2, 0, 1, 3).reshape(n, -1, d).to(q.dtype)
-        start += n
-    return out
-
-
 def paged_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                             attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             sliding_window: int | None = None, softcap: float | None = None,
@@ -218,12 +181,8 @@ def paged_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value
         raise ValueError(f"layer {module.layer_idx} produced K/V heads {tuple(k.shape[1:])}/{tuple(v.shape[1:])}, "
                          f"the KV cache was sized from the config for {tuple(layer.k_cache.shape[2:])}")
     scale = scaling if scaling is not None else 1 / math.sqrt(q.shape[-1])
-    meta = runtime_attention.meta
-    if softcap:
-        o = softcapped_attention(q, k, v, layer, meta, scale, sliding_window, softcap)
-    else:
-        o = layer.attn_fn(q, k, v, layer.k_cache, layer.v_cache, meta, scale, sliding_window, layer.k_scale,
-                          layer.v_scale)
+    o = layer.attn_fn(q, k, v, layer.k_cache, layer.v_cache, runtime_attention.meta, scale, sliding_window,
+                      layer.k_scale, layer.v_scale, softcap=softcap or None)
     return o[None], None
 
 
