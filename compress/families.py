@@ -116,6 +116,9 @@ class GGUFArch:
     name: str  # general.architecture
     permute_qk: bool  # interleave the rows of each q/k head for NORM rope (compress/export/gguf_arch.py)
     scalars: tuple[tuple[str, str], ...] = ()  # (key under the architecture, config attribute): float hparams
+    names: tuple[tuple[str, str], ...] = ()  # (block module, GGUF name) where llama.cpp's name for it differs
+    counts: tuple[tuple[str, str], ...] = ()  # (key under the architecture, config attribute): integer hparams
+    swa_layers: bool = False  # write which layers use the sliding window (config.layer_types)
 
 
 NORMS = ("pre", "sandwich", "post")
@@ -153,6 +156,14 @@ _QK_NORM = AttnLayout(rope_keys=False)
 _GEMMA = dict(norm_offset=1.0, embed_scale=True, default_act="gelu_pytorch_tanh")
 _QWEN_MOE = MoEArch(sparse_step=True)
 
+# llama.cpp's gemma2: Gemma's graph with sandwich norms, soft-capping and sliding-window layers
+_GEMMA2_GGUF = GGUFArch("gemma2", False, (("attn_logit_softcapping", "attn_logit_softcapping"),
+                                          ("final_logit_softcapping", "final_logit_softcapping")),
+                        names=(("post_attention_layernorm", "post_attention_norm"),
+                               ("pre_feedforward_layernorm", "ffn_norm"),
+                               ("post_feedforward_layernorm", "post_ffw_norm")),
+                        counts=(("attention.sliding_window", "sliding_window"),))
+_GEMMA3_GGUF = GGUFArch("gemma3", False, names=_GEMMA2_GGUF.names, counts=_GEMMA2_GGUF.counts, swa_layers=True)
 # llama.cpp's granite: a llama graph scaled by the config's multipliers
 _GRANITE_GGUF = GGUFArch("granite", True, (("attention.scale", "attention_multiplier"),
                                             ("embedding_scale", "embedding_multiplier"),
@@ -165,11 +176,14 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(smooth=LLAMA, attn=_STD, onnx=True, gguf=GGUFArch("qwen2", False)),
     "qwen3": Family(qk_norm="head", smooth=LLAMA, attn=_QK_NORM, onnx=True, gguf=GGUFArch("qwen3", False)),
     "gemma": Family(**_GEMMA, smooth=GEMMA, attn=_STD, onnx=True, gguf=GGUFArch("gemma", False)),
-    "gemma2": Family(**_GEMMA, norms="sandwich", smooth=GEMMA2, attn=_STD, onnx=True),
-    "gemma3_text": Family(**_GEMMA, norms="sandwich", qk_norm="head", smooth=GEMMA2, attn=_QK_NORM, onnx=True),
-    "phi3": Family(fused_proj=True, smooth=PHI3, onnx=True),
+    "gemma2": Family(**_GEMMA, norms="sandwich", smooth=GEMMA2, attn=_STD, onnx=True, gguf=_GEMMA2_GGUF),
+    "gemma3_text": Family(**_GEMMA, norms="sandwich", qk_norm="head", smooth=GEMMA2, attn=_QK_NORM, onnx=True,
+                          gguf=_GEMMA3_GGUF),
+    "phi3": Family(fused_proj=True, smooth=PHI3, onnx=True, gguf=GGUFArch("phi3", False, names=(
+        ("self_attn.qkv_proj", "attn_qkv"), ("mlp.gate_up_proj", "ffn_up")))),
     # OLMo 2 normalizes k over all KV heads at once (k_norm of width K * head_dim): no exact KV pooling
-    "olmo2": Family(norms="post", qk_norm="proj", smooth=OLMO2, onnx=True),
+    "olmo2": Family(norms="post", qk_norm="proj", smooth=OLMO2, onnx=True, gguf=GGUFArch("olmo2", False, names=(
+        ("post_attention_layernorm", "post_attention_norm"), ("post_feedforward_layernorm", "post_ffw_norm")))),
     "granite": Family(multipliers=True, smooth=LLAMA, attn=_STD, onnx=True, gguf=_GRANITE_GGUF),
     # MoE families: onnx=False, the dynamo exporter has no ONNX function for transformers' grouped_mm experts
     # (and onnx-int4 no op for packed experts)

@@ -137,7 +137,8 @@ def export(spec: str, fmt: str, out: str | Path, overwrite: bool = False, dtype:
     if getattr(options, "requantize", None) is None:
         check_layers(source, fmt)
     if dtype == "float16" and f.fp16_probe:
-        dtypes.require_fp16_safe(source.model, source.tokenizer, fmt, "bfloat16" if "bfloat16" in f.dtypes else "float32")
+        instead = "bfloat16" if "bfloat16" in f.dtypes else "float32"
+        dtypes.require_fp16_safe(source.model, source.tokenizer, fmt, instead)
     log.info("exporting %s (%d quantized layers) as %s, %s", spec, len(source.qmodules), fmt, dtype)
     args = (dtypes.DTYPES[dtype],) if f.options is None else (dtypes.DTYPES[dtype], options or f.options())
     with (atomic_file(out, overwrite) if f.suffix else atomic_dir(out, overwrite=overwrite)) as tmp:

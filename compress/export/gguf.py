@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 REQUANTIZE_TYPES = tuple(gguf_quants.REQUANTIZE)
 EMBED_TYPES = ("f16", "bf16", "f32", "q8_0")
-FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+# llama.cpp's LLAMA_FTYPE_MOSTLY_*
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "bf16": 32}
 FIX = ("re-quantize with `compress quantize ... --group-size 32 --no-act-order` (--sym for Q4_0/Q8_0), "
        f"or pass --requantize {'|'.join(REQUANTIZE_TYPES)} to round the dequantized weights again (not lossless)")
 
@@ -181,7 +182,7 @@ def plan_tensors(model: nn.Module, arch: gguf_arch.GGUFArch, options: GGUFOption
         if any(key.startswith(f"{p}.") for p in packed):
             continue
         owner, _, leaf = key.rpartition(".")
-        names = gguf_arch.gguf_names(key) if leaf not in ("weight", "bias") else gguf_arch.gguf_names(owner)
+        names = gguf_arch.gguf_names(key if leaf not in ("weight", "bias") else owner, arch)
         suffix = leaf if leaf in ("weight", "bias") else "weight"
         rows = torch.chunk(t, len(names), dim=-2) if len(names) > 1 else (t,)
         for n, part in zip(names, rows):
@@ -189,7 +190,7 @@ def plan_tensors(model: nn.Module, arch: gguf_arch.GGUFArch, options: GGUFOption
                 part = part.reshape(-1)
             out[f"{n}.{suffix}"] = encode_float(part, _float_type(f"{n}.{suffix}", part, embed_type))
     for mod, lin in quantized_linears(model, packed).items():
-        names = gguf_arch.gguf_names(mod)
+        names = gguf_arch.gguf_names(mod, arch)
         enc = encode_quantized(_stack(lin), mod, options, embed_type if embed_type in ("f32", "bf16") else "f16")
         for n, part in zip(names, torch.chunk(enc.data, len(names), dim=-2)):
             out[f"{n}.weight"] = replace(enc, data=part.contiguous())

@@ -61,15 +61,17 @@ def arch_of(model_type: str) -> GGUFArch:
     return require(model_type, "gguf").gguf
 
 
-def gguf_names(module: str) -> tuple[str, ...]:
-    """The GGUF tensor name(s), without "weight"/"bias", of a Hugging Face module or fused parameter."""
+def gguf_names(module: str, arch: GGUFArch | None = None) -> tuple[str, ...]:
+    """The GGUF tensor name(s), without "weight"/"bias", of a Hugging Face module or fused parameter (``arch``'s
+    own names first: a post-norm is ``post_attention_norm`` in Gemma 2, the pre-MLP norm ``ffn_norm`` in Llama)."""
     if module in TOP_NAMES:
         return (TOP_NAMES[module],)
     m = _BLOCK.match(module)
     if m is not None:
         i, rest = m.groups()
-        if rest in BLOCK_NAMES:
-            return (f"blk.{i}.{BLOCK_NAMES[rest]}",)
+        names = {**BLOCK_NAMES, **dict(arch.names if arch is not None else ())}
+        if rest in names:
+            return (f"blk.{i}.{names[rest]}",)
         if rest in SPLIT_NAMES:
             return tuple(f"blk.{i}.{n}" for n in SPLIT_NAMES[rest])
     raise ValueError(f"no GGUF tensor name for {module!r}: compress/export/gguf_arch.py maps "
@@ -80,29 +82,47 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def rope_theta(config) -> float:
+def rope_metadata(config) -> dict[str, float | str]:
+    """The rotary keys: a plain or linearly scaled rope, and (Gemma 3) the sliding layers' own base."""
     params = getattr(config, "rope_parameters", None) or {}
+    local = None
+    if "full_attention" in params:  # one rope per layer type (Gemma 3)
+        params, local = params["full_attention"], params.get("sliding_attention")
     kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise ValueError(f"--format gguf writes plain rotary embeddings, and this model uses rope_type {kind!r}")
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    if kind not in ("default", "linear"):
+        raise ValueError(f"--format gguf writes plain or linear rotary embeddings; this model uses rope_type {kind!r}")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    out: dict[str, float | str] = {"rope.freq_base": float(theta)}
+    if kind == "linear":
+        out.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(params["factor"])})
+    if local is not None:
+        if local.get("rope_type", "default") != "default":
+            raise ValueError("--format gguf writes plain rotary embeddings on sliding layers")
+        out["rope.freq_base_swa"] = float(local["rope_theta"])
+    return out
 
 
-def hparams(config, arch: GGUFArch) -> dict[str, int | float]:
+def hparams(config, arch: GGUFArch) -> dict[str, int | float | str | list[bool]]:
     """The ``{arch}.*`` metadata llama.cpp reads to build the graph."""
-    out: dict[str, int | float] = {}
+    out: dict[str, int | float | str | list[bool]] = {}
     for key, attrs in UINT_HPARAMS:
         value = next((getattr(config, a) for a in attrs if getattr(config, a, None) is not None), None)
         if value is not None:
             out[f"{arch.name}.{key}"] = int(value)
     d = head_dim(config)
     out[f"{arch.name}.attention.key_length"] = out[f"{arch.name}.attention.value_length"] = d
-    out[f"{arch.name}.rope.dimension_count"] = d
-    out[f"{arch.name}.rope.freq_base"] = rope_theta(config)
+    rope = getattr(config, "rope_parameters", None) or {}
+    partial = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0  # Phi-3
+    out[f"{arch.name}.rope.dimension_count"] = int(d * partial)
+    out.update({f"{arch.name}.{k}": v for k, v in rope_metadata(config).items()})
     out[f"{arch.name}.attention.layer_norm_rms_epsilon"] = float(config.rms_norm_eps)
     out[f"{arch.name}.vocab_size"] = int(config.vocab_size)
     for key, attr in arch.scalars:  # e.g. Granite's multipliers
         out[f"{arch.name}.{key}"] = float(getattr(config, attr))
+    for key, attr in arch.counts:
+        out[f"{arch.name}.{key}"] = int(getattr(config, attr))
+    if arch.swa_layers:  # which layers attend within the sliding window
+        out[f"{arch.name}.attention.sliding_window_pattern"] = [t == "sliding_attention" for t in config.layer_types]
     return out
 
 

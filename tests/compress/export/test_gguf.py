@@ -264,3 +264,39 @@ def test_k_quants_keep_the_codes_where_widths_divide_by_256_and_fall_back_elsewh
     top = up.scales.float().reshape(up.out_features, -1, 8).amax(-1).repeat_interleave(256, dim=1).numpy()
     assert (np.abs(got - want) <= top * (15 + 15) / 126 + 1e-6).all()
     assert np.abs(got - want).mean() < 0.05 * np.abs(want).mean()
+
+
+NEW = {  # family -> llama.cpp's tensors of one block, and metadata its graph reads
+    "granite": ({"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                 "ffn_down"},
+                {"logit_scale": 4.0, "embedding_scale": 6.0, "residual_scale": 0.5, "attention.scale": 0.2}),
+    "phi3": ({"attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"}, {"rope.dimension_count": 8}),
+    "olmo2": ({"attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "post_attention_norm",
+               "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"}, {}),
+    "gemma2": ({"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "post_attention_norm", "ffn_norm",
+                "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"},
+               {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention.sliding_window": 8}),
+    "gemma3_text": ({"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+                     "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"},
+                    {"attention.sliding_window_pattern": [True, False], "rope.freq_base": 1e6,
+                     "rope.freq_base_swa": 1e4, "rope.scaling.type": "linear", "rope.scaling.factor": 2.0}),
+}
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_newer_families_carry_llama_cpps_names_and_metadata(checkpoint, family, tmp_path):
+    """llama.cpp itself loads and runs these (test_gguf_llamacpp.py); here: the names and keys it reads."""
+    from compress.families import FAMILIES
+
+    reader = gguf.GGUFReader(_export(checkpoint(family), tmp_path / "m.gguf"))
+    arch = FAMILIES[family].gguf.name
+    f = _fields(reader)
+    assert f["general.architecture"] == arch
+    blocks, keys = NEW[family]
+    assert {t.name.split(".")[2] for t in reader.tensors if t.name.startswith("blk.0.")} == blocks
+    for key, value in keys.items():
+        assert f[f"{arch}.{key}"] == (value if isinstance(value, (str, list)) else pytest.approx(value)), key
+    if FAMILIES[family].norm_offset:  # Gemma's post-norms and q/k norms are stored as 1 + w too
+        model = load_quantized(checkpoint(family))
+        np.testing.assert_array_equal(_tensor(reader, "blk.0.post_ffw_norm.weight"),
+                                      model.model.layers[0].post_feedforward_layernorm.weight.detach().numpy() + 1)
