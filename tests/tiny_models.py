@@ -1,4 +1,6 @@
 """Tiny random models of each family the toolkit supports, built in the test (no hub, no downloads)."""
+import contextlib
+
 import torch
 
 FAMILIES = ("llama", "qwen2", "mistral", "gemma", "qwen3")
@@ -90,6 +92,17 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=sorted(alphabet)[0])
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Tiny tensors: one thread is several times faster than a thread pool on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 # the bundled recipes at tiny sizes (the path, not the accuracy)

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, quantize_tiny, tiny_config, token_batches
+from tiny_models import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, one_thread, quantize_tiny, tiny_config, token_batches
 
 from compress.families import FAMILIES as TABLE
 from compress.families import supports
@@ -20,12 +20,9 @@ IDS = token_batches(2, 12, seed=1)[0]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is several times faster than a thread pool on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread():
+    with one_thread():
+        yield
 
 
 def logits(model, ids: torch.Tensor = IDS) -> torch.Tensor:

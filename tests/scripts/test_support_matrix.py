@@ -1,8 +1,9 @@
 """The README's family x step matrix is what compress/families.py says (scripts/support_matrix.py)."""
 from __future__ import annotations
 
-import importlib.util
+import runpy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,10 +12,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "support_matrix.py"
 
 @pytest.fixture(scope="module")
 def matrix():
-    spec = importlib.util.spec_from_file_location("support_matrix", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return SimpleNamespace(**runpy.run_path(str(SCRIPT)))
 
 
 def test_the_readme_matrix_is_current(matrix):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, quantize_tiny
+from tiny_models import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, one_thread, quantize_tiny
 
 from compress.checkpoint import load_quantized, quantized_modules
 from compress.export.dispatch import export
@@ -25,12 +25,9 @@ IDS = torch.randint(0, 256, (2, 18), generator=torch.Generator().manual_seed(2))
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is several times faster than a thread pool on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread():
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
