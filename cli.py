@@ -10,6 +10,8 @@ import sys
 
 import click
 
+from compress.export.dispatch import FORMATS as EXPORT_FORMATS  # the one list of export formats (loads no exporter)
+
 
 class CompressGroup(click.Group):
     """Turns the library's user-facing errors into one clear line and a non-zero exit."""
@@ -152,7 +154,7 @@ def recipes():
 
     for name, desc in list_recipes().items():
         cfg = load_recipe(name)
-        kind = recipe_block_type(cfg.scheme, cfg.act_order, cfg.static_groups)
+        kind = recipe_block_type(cfg.scheme, cfg.gptq.act_order, cfg.gptq.static_groups)
         gguf = f"gguf {kind.upper()}" if kind else "gguf needs --requantize"
         click.echo(f"{name:16s} {desc} [{gguf}]")
 
@@ -256,9 +258,6 @@ def report_cmd(model_spec, out, recipes, variants, exports, ppl, seqlen, max_win
 
 
 # --- export -------------------------------------------------------------------------------------
-EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "onnx", "onnx-int4", "gguf")  # compress/export/dispatch.py FORMATS
-
-
 @main.command("export")
 @click.argument("model_spec", metavar="MODEL_DIR")
 @click.option("--format", "fmt", required=True, help=f"Target format: {', '.join(EXPORT_FORMATS)}.")

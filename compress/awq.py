@@ -1,18 +1,27 @@
 """AWQ (Lin et al., 2023): protect the weight channels that see large activations by scaling them up
 before rounding (and the feeding op down), then search a clipping range per group. Pure tensor
-functions; which op feeds which linears is data in compress/mappings.py, applied by compress/pipeline.py.
+functions at the top; below them the adapter that samples a decoder block's inputs with hooks and
+applies the smoothing in place (which op feeds which linears is data, compress/mappings.py), and the
+same steps for one MoE expert (its up -> down pair).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+from torch.func import functional_call
 
-from compress.quant import Scheme, fake_quantize, fake_quantize_groups, group_index
+from compress import gptq, rtn
+from compress.calibrate import BlockInputs, Run, autocast_of, layers_name, run_sequential, swap_linear, target_linears
+from compress.config import QuantizeConfig
+from compress.mappings import BlockMap, Smooth, block_map
+from compress.moe import ExpertResult, intermediate
+from compress.quant import QuantizedWeight, Scheme, fake_quantize, fake_quantize_groups, group_index
 
 
 @dataclass
@@ -112,3 +121,209 @@ def clip_weight(w: Tensor, bounds: Bounds, scheme: Scheme) -> Tensor:
     gi = group_index(w.shape[1], scheme, w.device)
     lo, hi = (b.index_select(1, gi).to(w.dtype) for b in bounds)
     return torch.maximum(torch.minimum(w, hi), lo)
+
+
+# -- the adapter: hooks that sample a decoder block's inputs, the smoothing applied in place ----------
+class _Sampler:
+    """Collects, per linear, the mean |x| over all tokens and a fixed random sample of token rows."""
+
+    def __init__(self, inputs: BlockInputs, n_tokens: int, seed: int, hessians: dict[str, gptq.Hessian] | None = None):
+        gen = torch.Generator().manual_seed(seed)
+        # optional: the GPTQ Hessian of every input, accumulated over all tokens (linears that share an
+        # input share one object, which only the first of them updates)
+        self.hessians = hessians or {}
+        self._owner = {}
+        for name, h in self.hessians.items():
+            self._owner.setdefault(id(h), name)
+        per_batch = max(1, n_tokens // len(inputs.hidden))
+        self.rows = [torch.randperm(h.shape[0] * h.shape[1], generator=gen)[:per_batch] for h in inputs.hidden]
+        self.abs_sum: dict[str, Tensor] = {}
+        self.count: dict[str, int] = {}
+        self.samples: dict[str, list[Tensor]] = {}
+        # whole batches entering the modules that judge a scale (attention needs full sequences)
+        tokens_per_batch = inputs.hidden[0].shape[0] * inputs.hidden[0].shape[1]
+        self.n_batches = max(1, min(len(inputs.hidden), -(-n_tokens // tokens_per_batch)))
+        self.module_inputs: dict[str, list[tuple[Tensor, dict]]] = {}
+
+    def module_hook(self, name: str):
+        def fn(module, args, kwargs):
+            calls = self.module_inputs.setdefault(name, [])
+            if len(calls) < self.n_batches:
+                kwargs = dict(kwargs)
+                hidden = args[0] if args else kwargs.pop("hidden_states")
+                calls.append((hidden.float(), {k: v for k, v in kwargs.items()
+                                               if k not in ("past_key_values", "past_key_value", "use_cache")}))
+        return fn
+
+    def hook(self, name: str):
+        def fn(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            h = self.hessians.get(name)
+            if h is not None and self._owner[id(h)] == name:
+                h.add(x)
+            calls = self.samples.setdefault(name, [])
+            self.abs_sum[name] = self.abs_sum.get(name, 0) + x.abs().sum(0)
+            self.count[name] = self.count.get(name, 0) + x.shape[0]
+            calls.append(x[self.rows[len(calls)]])
+        return fn
+
+    def x_mean(self, name: str) -> Tensor:
+        return self.abs_sum[name] / self.count[name]
+
+    def x(self, name: str) -> Tensor:
+        return torch.cat(self.samples[name])
+
+
+def round_weight(w: Tensor, x: Tensor, H: Tensor | None, cfg: QuantizeConfig, clip: bool
+                 ) -> tuple[QuantizedWeight, float | None]:
+    """The last step for one smoothed linear, dense or expert: clip on the first ``clip_tokens`` rows of its
+    sampled inputs ``x [n, in]``, then round by RTN (weighted by ``x``'s energy with ``weighted_range``) or,
+    given its Hessian ``H``, by GPTQ (the config's gptq options); returns the weight and GPTQ's loss."""
+    scheme, opts = cfg.scheme, cfg.awq
+    if clip:
+        w = clip_weight(w, search_clip(x[:opts.clip_tokens], w, scheme, opts.clip_grid), scheme)
+    if H is None:
+        energy = x.pow(2).mean(0) if cfg.weighted_range else None
+        return rtn.quantize_weight(w, scheme, energy), None
+    res = gptq.quantize_weight(w, H, scheme, cfg.gptq, cfg.weighted_range)
+    return res.weight, res.loss
+
+
+def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap) -> dict[str, gptq.Hessian]:
+    """One GPTQ Hessian per distinct input: the linears a norm smooths together read the same tensor."""
+    out: dict[str, gptq.Hessian] = {}
+    for sm in bmap.smooths:
+        if all(n in linears for n in sm.linears):
+            h = gptq.Hessian.zeros(linears[sm.linears[0]].in_features)
+            out.update({n: h for n in sm.linears})
+    for name, lin in linears.items():
+        if name not in out:
+            out[name] = gptq.Hessian.zeros(lin.in_features)
+    return out
+
+
+def _observe(block: nn.Module, linears: dict[str, nn.Linear], bmap: BlockMap, inputs: BlockInputs, n_tokens: int,
+             seed: int, hessians: dict[str, gptq.Hessian] | None) -> _Sampler:
+    """Run the block once with hooks on its linears (and the modules that judge a scale)."""
+    sampler = _Sampler(inputs, n_tokens, seed, hessians)
+    handles = [m.register_forward_pre_hook(sampler.hook(n)) for n, m in linears.items()]
+    handles += [block.get_submodule(sm.inspect).register_forward_pre_hook(sampler.module_hook(sm.inspect),
+                                                                         with_kwargs=True)
+                for sm in bmap.smooths if sm.inspect is not None]
+    try:
+        inputs.forward(block)
+    finally:
+        for h in handles:
+            h.remove()
+    return sampler
+
+
+def _group_forward(block: nn.Module, sm: Smooth, sampler: _Sampler) -> Callable[[list[Tensor]], Tensor]:
+    """The output a smoothing scale is judged by, as a function of the group's weights: the linears' own
+    concatenated outputs, or the ``inspect`` module's (e.g. attention) on whole sampled batches."""
+    x = sampler.x(sm.linears[0])
+    if sm.inspect is None:
+        return lambda ws: torch.cat([x @ w.T for w in ws], dim=-1)
+    inspect = block.get_submodule(sm.inspect)
+    names = [f"{n[len(sm.inspect) + 1:]}.weight" for n in sm.linears]
+    batches = sampler.module_inputs[sm.inspect]
+
+    def forward(ws):
+        outs = []
+        for h, kw in batches:
+            out = functional_call(inspect, dict(zip(names, ws)), (h,), kw)
+            outs.append(out[0] if isinstance(out, tuple) else out)
+        return torch.cat(outs)
+    return forward
+
+
+def _scale_prev(prev: nn.Module, s: Tensor, norm_offset: float) -> None:
+    if isinstance(prev, nn.Linear):  # a linear feeding the group: divide its output rows
+        prev.weight.data.div_(s[:, None].to(prev.weight.dtype))
+        if prev.bias is not None:
+            prev.bias.data.div_(s.to(prev.bias.dtype))
+    else:  # a norm: (offset + w) / s
+        w = prev.weight.data
+        w.copy_(((norm_offset + w.float()) / s - norm_offset).to(w.dtype))
+
+
+def _smooth(block: nn.Module, sm: Smooth, linears: dict[str, nn.Linear], sampler: _Sampler, cfg: QuantizeConfig,
+            norm_offset: float, hessians: dict[str, gptq.Hessian] | None) -> dict | None:
+    """Search one group's scale and fold it in (the feeding op / s, the linears' columns * s, their sampled
+    inputs and Hessian likewise); None where the group does not apply to this block."""
+    if not all(n in linears for n in sm.linears):
+        return None
+    prev = block.get_submodule(sm.prev)
+    mods = [linears[n] for n in sm.linears]
+    if any(m.in_features != prev.weight.shape[0] for m in mods):  # e.g. v_proj -> o_proj under GQA
+        return None
+    forward = _group_forward(block, sm, sampler)
+    with torch.inference_mode():
+        ref = forward([m.weight.data.float() for m in mods])
+    res = search_scale(sampler.x_mean(sm.linears[0]), [m.weight.data for m in mods], cfg.scheme, forward, ref,
+                       cfg.awq.grid, cfg.awq.duo_scaling)
+    s = res.scales
+    _scale_prev(prev, s, norm_offset)
+    for n, m in zip(sm.linears, mods):
+        m.weight.data.mul_(s.to(m.weight.dtype))
+        sampler.samples[n] = [torch.cat(sampler.samples[n]) / s]
+    if hessians is not None:  # the inputs are now x / s: H -> H / (s s^T), once per shared Hessian
+        hessians[sm.linears[0]].H.div_(torch.outer(s, s))
+    return {"smooth": sm.prev, "ratio": res.ratio, "loss": res.loss, "rtn_loss": res.base_loss}
+
+
+def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeConfig) -> ExpertResult:
+    """AWQ of one MoE expert on its routed tokens ``x [n, H]``: scale search between up and down (the only op
+    private to the expert; the norm before gate/up is shared with the router and every other expert), then
+    the same clipping and rounding as a dense linear (:func:`round_weight`)."""
+    scheme, opts = cfg.scheme, cfg.awq
+    w_gu, w_down = w_gu.float().clone(), w_down.float().clone()
+    inter_all = intermediate(x, w_gu, act)  # [n, I]
+    h_gu = h_dn = None
+    if opts.rounding == "gptq":  # GPTQ's Hessians over every routed token, as the dense path's
+        h_gu, h_dn = gptq.Hessian.zeros(x.shape[1]), gptq.Hessian.zeros(inter_all.shape[1])
+        h_gu.add(x)
+        h_dn.add(inter_all)
+    rows = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[:opts.search_tokens]
+    x, inter = x[rows], inter_all[rows]  # a fixed sample of the routed tokens for the searches
+    ref = inter @ w_down.T
+    res = search_scale(inter_all.abs().mean(0), [w_down], scheme, lambda ws: inter @ ws[0].T, ref, opts.grid,
+                       opts.duo_scaling)
+    s = res.scales  # [I]: up rows / s, down columns * s leaves the fp expert unchanged
+    n_i = w_down.shape[1]
+    w_gu[n_i:] /= s[:, None]
+    w_down *= s
+    inter = inter / s
+    if h_dn is not None:
+        h_dn.H.div_(torch.outer(s, s))
+    gu, gu_loss = round_weight(w_gu, x, None if h_gu is None else h_gu.H, cfg, opts.clip)
+    dn, dn_loss = round_weight(w_down, inter, None if h_dn is None else h_dn.H, cfg, opts.clip)
+    losses = {"down_proj": res.loss, "down_proj_rtn": res.base_loss}
+    if gu_loss is not None:
+        losses.update(gate_up_proj_gptq=gu_loss, down_proj_gptq=dn_loss)
+    return ExpertResult(gu, dn, losses)
+
+
+def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
+    """AWQ, block by block on the previous blocks' quantized outputs: sample, smooth each group of the
+    model's map, then clip and round each linear; then each block's MoE experts."""
+    bmap = block_map(model.config.model_type)
+    prefix = layers_name(model)
+
+    def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
+        linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
+        hessians = _shared_hessians(linears, bmap) if cfg.awq.rounding == "gptq" else None
+        sampler = _observe(block, linears, bmap, inputs, cfg.awq.search_tokens, cfg.seed + i, hessians)
+        for sm in bmap.smooths:
+            record = _smooth(block, sm, linears, sampler, cfg, bmap.norm_offset, hessians)
+            if record is not None:
+                run.report.layers.append({"layer": i, **record})
+        for name, lin in linears.items():
+            qw, loss = round_weight(lin.weight.data, sampler.x(name), None if hessians is None else hessians[name].H,
+                                    cfg, cfg.awq.clip and name not in bmap.no_clip)
+            if loss is not None:
+                run.report.layers.append({"layer": i, "name": name, "loss": loss})
+            swap_linear(block, name, lin, qw)
+        if run.experts is not None:
+            run.report.layers.extend(run.experts(i, block, inputs, partial(quantize_expert, cfg=cfg)))
+    run_sequential(model, run.batches, per_block, run.progress, autocast_of(cfg.calib_dtype), run.store)

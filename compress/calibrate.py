@@ -1,22 +1,31 @@
-"""The one layer-by-layer driver: run calibration activations through a model one decoder block at a time.
+"""The layer-by-layer drivers every method runs on, and what the pipeline hands a method (:class:`Run`).
 
-``run_sequential`` captures the inputs of the first block with a forward pre-hook (running only the
-embeddings and that one block), then for each block: the per-block algorithm observes and
-quantizes it, the driver runs the quantized block on the same inputs, and its outputs become the
-next block's inputs (the sequential scheme of GPTQ and AWQ). Only one block's activations are held
-at a time, so peak memory is the fp model plus two sets of hidden states; with a streaming
-:class:`BlockStore` (compress/stream.py) only one block is materialized at a time as well.
+``run_blocks`` visits each decoder block for the data-free methods. ``run_sequential`` captures the
+inputs of the first block with a forward pre-hook (running only the embeddings and that one block),
+then for each block: the per-block algorithm observes and quantizes it, the driver runs the quantized
+block on the same inputs, and its outputs become the next block's inputs (the sequential scheme of
+GPTQ and AWQ). Only one block's activations are held at a time, so peak memory is the fp model plus
+two sets of hidden states; with a streaming :class:`BlockStore` (compress/stream.py) only one block is
+materialized at a time as well.
 """
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from compress.checkpoint import set_module
+from compress.mappings import KEEP_FP
+from compress.qlinear import QuantLinear
+from compress.quant import QuantizedWeight
+
 log = logging.getLogger(__name__)
+Progress = Callable[[int, int], None]
+TrainProgress = Callable[[int, int, float], None]  # (step, steps, loss) of QAT / uptraining
 
 
 @dataclass
@@ -49,6 +58,29 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         if isinstance(m, nn.ModuleList) and len(m) == n:
             return m
     raise ValueError(f"could not find the {n} decoder layers of {type(model).__name__}")
+
+
+def layers_name(model: nn.Module) -> str:
+    """The full module name of the decoder blocks' list (``model.layers``): block ``i`` is ``{name}.{i}``."""
+    layers = decoder_layers(model)
+    return next(n for n, m in model.named_modules() if m is layers)
+
+
+def kept_fp(name: str, ignore: tuple[str, ...]) -> bool:
+    """Whether the module ``name`` (full name) stays in fp: the output head, a router, or named by ``ignore``
+    (regular expressions searched in the name)."""
+    return any(re.search(p, name) for p in (*KEEP_FP, *ignore))
+
+
+def target_linears(block: nn.Module, ignore: tuple[str, ...], prefix: str = "") -> dict[str, nn.Linear]:
+    """The block's ``nn.Linear`` layers to quantize (relative names; ``prefix`` + the relative name is the full
+    name), minus those that stay in fp (:func:`kept_fp`)."""
+    return {n: m for n, m in block.named_modules() if isinstance(m, nn.Linear) and not kept_fp(f"{prefix}{n}", ignore)}
+
+
+def swap_linear(block: nn.Module, name: str, lin: nn.Linear, qw: QuantizedWeight) -> None:
+    """Replace ``block``'s linear ``name`` by the packed :class:`QuantLinear` of ``qw``."""
+    set_module(block, name, QuantLinear.from_quantized(qw, lin.bias, dtype=lin.weight.dtype))
 
 
 def _drop_cache_kwargs(kwargs: dict) -> dict:
@@ -108,9 +140,49 @@ class BlockStore:
 IN_MEMORY = BlockStore()
 
 
-def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
-                   progress: Callable[[int, int], None] | None = None, autocast: torch.dtype | None = None,
-                   store: BlockStore = IN_MEMORY) -> None:
+@dataclass
+class QuantizeReport:
+    method: str
+    seconds: float = 0.0
+    layers: list[dict] = field(default_factory=list)  # one entry per quantized linear or AWQ smoothing
+    notes: dict = field(default_factory=dict)  # "gqa": KV heads and bytes/token, "qat": training losses
+
+
+@dataclass
+class Run:
+    """What the pipeline hands every method besides the model and its config (one signature for all:
+    ``quantize(model, cfg, run)``, compress/pipeline.py METHODS)."""
+
+    report: QuantizeReport
+    batches: list[Tensor] | None = None  # calibration token ids
+    progress: Progress | None = None
+    train_progress: TrainProgress | None = None
+    store: BlockStore = IN_MEMORY  # where the blocks' weights live (compress/stream.py streams them)
+    # a mixture-of-experts model's expert step, run after each block's linears (compress/moe.py BlockExperts):
+    # ``experts(i, block, inputs=None, expert=None) -> records``; None for a dense model
+    experts: Callable[..., list[dict]] | None = None
+    teacher: nn.Module | None = None  # the fp model to distil from, when an earlier step kept one
+
+
+def autocast_of(calib_dtype: str) -> torch.dtype | None:
+    """The CPU autocast dtype of calibration block forwards (None: full precision)."""
+    return torch.bfloat16 if calib_dtype == "bfloat16" else None
+
+
+def run_blocks(model: nn.Module, per_block: PerBlock, progress: Progress | None = None,
+               store: BlockStore = IN_MEMORY) -> None:
+    """Call ``per_block(i, block, None)`` for each decoder block in order: no activations (data-free methods)."""
+    layers = decoder_layers(model)
+    for i, block in enumerate(layers):
+        store.load(i, block)
+        per_block(i, block, None)
+        store.release(i, block)
+        if progress:
+            progress(i + 1, len(layers))
+
+
+def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock, progress: Progress | None = None,
+                   autocast: torch.dtype | None = None, store: BlockStore = IN_MEMORY) -> None:
     """Call ``per_block(i, block, inputs)`` for each decoder block in order, feeding each block the
     outputs of the already-processed (quantized) previous block."""
     layers = decoder_layers(model)

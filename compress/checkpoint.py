@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from compress.moe_packed import PackedMoEExperts
 from compress.qlinear import QuantLinear
 from compress.quant import Scheme
 
@@ -67,6 +68,7 @@ def _publishable(folder: Path) -> None:
 
 
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at the dotted ``name`` inside ``model`` (the one module-swapping helper)."""
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
@@ -85,8 +87,6 @@ def build_quantization_config(model: nn.Module, method: str, scheme: Scheme, act
     ignore = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qmods)
     ragged = {n: m.in_features % m.scheme.group(m.in_features) for n, m in qmods.items()
               if m.in_features % m.scheme.group(m.in_features)}
-    from compress.moe import moe_entries
-
     moe = moe_entries(model)  # packed MoE experts (compress/moe_packed.py), listed only when present
     return {
         "quant_method": "compress", "version": FORMAT_VERSION, "packing": PACKING, "method": method,
@@ -95,6 +95,20 @@ def build_quantization_config(model: nn.Module, method: str, scheme: Scheme, act
         "ignore": ignore, "ragged": ragged, "calibration": calibration or {}, **({"moe": moe} if moe else {}),
         **(extra or {}),
     }
+
+
+def moe_entries(model: nn.Module) -> dict[str, dict]:
+    """``quantization_config["moe"]``: every packed experts module, its scheme, shapes and fallbacks."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, PackedMoEExperts):
+            out[name] = {**m.gate_up_proj.scheme.to_dict(), "act_order": m.gate_up_proj.g_idx is not None,
+                         "num_experts": m.num_experts, "hidden_size": m.hidden_dim,
+                         "intermediate_size": m.intermediate_dim, "gate_up": "concatenated",
+                         "projections": {"gate_up_proj": [2 * m.intermediate_dim, m.hidden_dim],
+                                         "down_proj": [m.hidden_dim, m.intermediate_dim]},
+                         "rtn_fallback": list(getattr(m, "rtn_fallback", []))}
+    return out
 
 
 def save_quantized(model: nn.Module, tokenizer, out: str | Path, quantization_config: dict,
@@ -152,6 +166,16 @@ def swap_in_quant_linears(model: nn.Module, modules: dict[str, dict], dtype: tor
         set_module(model, name, q)
 
 
+def swap_in_packed_experts(model: nn.Module, entries: dict[str, dict]) -> None:
+    """Replace each named fused experts module by an empty :class:`PackedMoEExperts` of the recorded scheme."""
+    for name, entry in entries.items():
+        old = model.get_submodule(name)
+        packed = PackedMoEExperts.empty(entry["num_experts"], entry["hidden_size"], entry["intermediate_size"],
+                                        scheme_of(entry), old.act_fn, entry.get("act_order", False))
+        packed.rtn_fallback = list(entry.get("rtn_fallback", []))
+        set_module(model, name, packed)
+
+
 def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
     """Load a folder written by :func:`save_quantized` into QuantLinear modules (no fp weights)."""
     from safetensors.torch import load_file
@@ -165,8 +189,6 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_r
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     swap_in_quant_linears(model, qc["modules"], dtype)
     if qc.get("moe"):
-        from compress.moe import swap_in_packed_experts
-
         swap_in_packed_experts(model, qc["moe"])
     from compress.shards import shard_files
 

@@ -1,15 +1,20 @@
-"""The quantization config and the recipes that map 1:1 onto it."""
+"""The quantization config and the recipes that map 1:1 onto it.
+
+A recipe is a flat YAML mapping; the config groups what only one method reads into typed option groups
+(``cfg.gptq``, ``cfg.awq``, ``cfg.qat``, like ``cfg.scheme``) that each method's dense and expert paths
+take whole. Every group field keeps its flat recipe name, so ``damp: 0.05`` is ``cfg.gptq.damp``.
+"""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from compress.quant import Scheme
 
-METHODS = ("rtn", "gptq", "awq", "nf4", "qat")
+METHODS = ("rtn", "gptq", "awq", "nf4", "qat")  # compress/pipeline.py METHODS runs each
 QAT_INITS = ("rtn", "awq")
 ROUNDINGS = ("rtn", "gptq")  # awq's final rounding
 TRAIN_DTYPES = ("bfloat16", "float32")
@@ -19,9 +24,74 @@ ROTATIONS = ("none", "hadamard")  # compress/rotate.py: a randomized Hadamard fo
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
+def _at_least_one(group, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(group, name) < 1:
+            raise ValueError(f"{name}={getattr(group, name)} must be >= 1")
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    """GPTQ's rounding (method gptq, and awq with ``rounding: gptq``)."""
+
+    damp: float = 0.01  # Hessian damping, as a fraction of its mean diagonal
+    block_size: int = 128  # columns per lazy batch update (speed only: the result is the same)
+    act_order: bool = False
+    static_groups: bool = False
+    mse: bool = False  # clip each group's grid to minimise H-diagonal-weighted rounding error
+
+    def __post_init__(self):
+        if not 0 < self.damp < 1:
+            raise ValueError(f"damp={self.damp} must be in (0, 1), e.g. 0.01")
+        _at_least_one(self, ("block_size",))
+
+
+@dataclass(frozen=True)
+class AWQOptions:
+    """AWQ's scale and clipping searches (method awq, and qat with ``init: awq``)."""
+
+    grid: int = 20
+    duo_scaling: bool = True  # search x_mean^r / w_mean^(1-r) (AutoAWQ, llm-compressor) instead of x_mean^r
+    clip: bool = True
+    search_tokens: int = 4096
+    clip_tokens: int = 512  # token rows of each linear's input that judge its clipping range
+    clip_grid: int = 20  # clipping shrink factors are tried in steps of 1 / clip_grid, down to 0.5
+    rounding: str = "rtn"  # round the smoothed, clipped weights by rtn (AutoAWQ) or gptq (the gptq options)
+
+    def __post_init__(self):
+        _at_least_one(self, ("grid", "search_tokens", "clip_tokens", "clip_grid"))
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding={self.rounding!r} is unknown; use one of {ROUNDINGS}")
+
+
+@dataclass(frozen=True)
+class QATOptions:
+    """QAT: start from a PTQ result (init), then distil the fp model for ``steps`` (weights at lr, scales at
+    scale_lr)."""
+
+    init: str = "rtn"
+    steps: int = 200
+    lr: float = 1e-5
+    scale_lr: float = 1e-3
+    learn_zero: bool = False
+
+    def __post_init__(self):
+        if self.init not in QAT_INITS:
+            raise ValueError(f"init={self.init!r} is unknown; use one of {QAT_INITS}")
+        _at_least_one(self, ("steps",))
+        if not 0 < self.lr < 1:
+            raise ValueError(f"lr={self.lr} must be in (0, 1), e.g. 1e-5")
+        if not 0 <= self.scale_lr < 1:
+            raise ValueError(f"scale_lr={self.scale_lr} must be in [0, 1), e.g. 1e-3 (0 keeps the scales fixed)")
+
+
+GROUPS = {"gptq": GPTQOptions, "awq": AWQOptions, "qat": QATOptions}
+
+
 @dataclass(frozen=True)
 class QuantizeConfig:
-    """Everything `compress quantize` needs; recipes and CLI flags set these fields."""
+    """Everything `compress quantize` needs; recipes and CLI flags set these fields by their flat names
+    (:meth:`from_flat`, :meth:`replace`)."""
 
     method: str = "rtn"
     bits: int = 4
@@ -35,32 +105,15 @@ class QuantizeConfig:
     seed: int = 0
     batch_size: int = 8
     calib_dtype: str = "float32"  # or bfloat16: block forwards during calibration under CPU autocast
-    # gptq
-    damp: float = 0.01
-    block_size: int = 128
-    act_order: bool = False
-    static_groups: bool = False
-    mse: bool = False  # gptq: clip each group's grid to minimise H-diagonal-weighted rounding error
-    # awq
-    grid: int = 20
-    duo_scaling: bool = True  # search x_mean^r / w_mean^(1-r) (AutoAWQ, llm-compressor) instead of x_mean^r
-    clip: bool = True
-    search_tokens: int = 4096
-    clip_tokens: int = 512  # token rows of each linear's input that judge its clipping range
-    clip_grid: int = 20  # clipping shrink factors are tried in steps of 1 / clip_grid, down to 0.5
-    rounding: str = "rtn"  # awq: round the smoothed, clipped weights by rtn (AutoAWQ) or gptq (the gptq fields)
+    gptq: GPTQOptions = field(default_factory=GPTQOptions)
+    awq: AWQOptions = field(default_factory=AWQOptions)
+    qat: QATOptions = field(default_factory=QATOptions)
     # before any method: fold the norms and rotate the residual stream and each value head (compress/rotate.py)
     rotate: str = "none"
-    # pick each group's range by the activation-weighted rounding error (gptq's grid, awq's rtn rounding)
+    # the final rounding picks each group's range by the activation-weighted error (gptq's grid, awq's rtn)
     weighted_range: bool = False
-    # fp linears kept as they are (regular expressions on module names)
+    # fp linears kept as they are (regular expressions searched in full module names)
     ignore: tuple[str, ...] = ("lm_head",)
-    # qat: start from a PTQ result (init), then distil the fp model for `steps` (weights at lr, scales at scale_lr)
-    init: str = "rtn"
-    steps: int = 200
-    lr: float = 1e-5
-    scale_lr: float = 1e-3
-    learn_zero: bool = False
     train_dtype: str = "bfloat16"  # autocast dtype of training forwards (qat and uptraining); float32 disables
     # gqa: pool the KV heads down to kv_heads (0 keeps them), uptrain for uptrain_steps, then quantize
     kv_heads: int = 0
@@ -77,43 +130,39 @@ class QuantizeConfig:
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r} is unknown; use one of {METHODS}")
         self.scheme  # validates bits / group_size
-        for name in ("nsamples", "seqlen", "batch_size", "block_size", "grid", "search_tokens", "clip_tokens",
-                     "clip_grid"):
+        for name in ("nsamples", "seqlen", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if not 0 < self.damp < 1:
-            raise ValueError(f"damp={self.damp} must be in (0, 1), e.g. 0.01")
         if self.calib_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"calib_dtype={self.calib_dtype!r} must be float32 or bfloat16")
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"rounding={self.rounding!r} is unknown; use one of {ROUNDINGS}")
-        if self.rounding != "rtn" and self.method != "awq":
-            raise ValueError(f"rounding={self.rounding!r} applies to method awq only, not {self.method!r}")
-        gptq_rounding = self.method == "gptq" or self.rounding == "gptq"
         if self.rotate not in ROTATIONS:
             raise ValueError(f"rotate={self.rotate!r} is unknown; use one of {ROTATIONS}")
-        if self.weighted_range and self.method not in ("gptq", "awq", "qat"):
-            raise ValueError(f"weighted_range needs calibration statistics: it applies to gptq, awq and qat, not "
-                             f"{self.method!r} (for a weighted RTN use method: awq with grid: 1 and clip: false)")
-        if self.weighted_range and self.mse:
-            raise ValueError("weighted_range and mse both pick gptq's grid; set one of them")
-        for name in ("act_order", "static_groups", "mse"):
-            if getattr(self, name) and not gptq_rounding:
-                raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq) only, "
-                                 f"not {self.method!r}")
+        self._validate_rounding()
         self._validate_training()
         object.__setattr__(self, "ignore", tuple(self.ignore))
 
+    def _validate_rounding(self) -> None:
+        """Fields that only a method's own rounding reads are refused where nothing would read them."""
+        if self.awq.rounding != "rtn" and self.method != "awq":
+            raise ValueError(f"rounding={self.awq.rounding!r} applies to method awq only, not {self.method!r}")
+        for name in ("act_order", "static_groups", "mse"):
+            if getattr(self.gptq, name) and not self.gptq_rounding:
+                raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq) only, "
+                                 f"not {self.method!r}")
+        if self.weighted_range:
+            if self.method not in ("gptq", "awq", "qat"):
+                raise ValueError(f"weighted_range needs calibration statistics: it applies to gptq, awq and qat, "
+                                 f"not {self.method!r} (for a weighted RTN use method: awq with grid: 1 and "
+                                 "clip: false)")
+            if self.method == "qat" and self.qat.init != "awq":
+                raise ValueError("weighted_range applies to qat's AWQ init only; set init: awq")
+            if self.gptq.mse:
+                raise ValueError("weighted_range and mse both pick gptq's grid; set one of them")
+
     def _validate_training(self) -> None:
-        if self.init not in QAT_INITS:
-            raise ValueError(f"init={self.init!r} is unknown; use one of {QAT_INITS}")
-        if self.steps < 1:
-            raise ValueError(f"steps={self.steps} must be >= 1")
-        for name in ("lr", "uptrain_lr", "kv_fit_lr"):
+        for name in ("uptrain_lr", "kv_fit_lr"):
             if not 0 < getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1), e.g. 1e-5")
-        if not 0 <= self.scale_lr < 1:
-            raise ValueError(f"scale_lr={self.scale_lr} must be in [0, 1), e.g. 1e-3 (0 keeps the scales fixed)")
         if self.train_dtype not in TRAIN_DTYPES:
             raise ValueError(f"train_dtype={self.train_dtype!r} is unknown; use one of {TRAIN_DTYPES}")
         if self.kv_heads < 0:
@@ -136,18 +185,44 @@ class QuantizeConfig:
         return Scheme(bits=self.bits, group_size=self.group_size, sym=self.sym or fmt == "nf4", format=fmt)
 
     @property
+    def gptq_rounding(self) -> bool:
+        """Whether the final rounding is GPTQ's (method gptq, or awq with rounding: gptq)."""
+        return self.method == "gptq" or (self.method == "awq" and self.awq.rounding == "gptq")
+
+    @property
     def needs_calibration(self) -> bool:
         return (self.method in ("gptq", "awq", "qat") or self.uptrain_steps > 0 or self.kv_fit_steps > 0
                 or (self.kv_heads > 0 and self.kv_init == "pca"))
 
+    @classmethod
+    def from_flat(cls, **fields) -> "QuantizeConfig":
+        """The config from flat recipe fields (``damp`` goes to ``gptq.damp``); an unknown name is an error."""
+        unknown = sorted(set(fields) - FIELDS)
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}; allowed: {sorted(FIELDS)}")
+        groups = {g: t(**{k: fields.pop(k) for k in _names(t) if k in fields}) for g, t in GROUPS.items()}
+        return cls(**fields, **groups)
+
     def replace(self, **changes) -> "QuantizeConfig":
-        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+        """A copy with flat fields changed; ``None`` keeps a field (CLI flags left unset)."""
+        return QuantizeConfig.from_flat(**{**self.to_dict(), **{k: v for k, v in changes.items() if v is not None}})
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "ignore": list(self.ignore)}
+        """The flat recipe form (what ``from_flat`` takes back)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out.update(dataclasses.asdict(value) if f.name in GROUPS else {f.name: value})
+        return {**out, "ignore": list(self.ignore)}
 
 
-FIELDS = {f.name for f in dataclasses.fields(QuantizeConfig)}
+def _names(t) -> list[str]:
+    return [f.name for f in dataclasses.fields(t)]
+
+
+# every flat recipe field: the config's own, and each group's under its own name
+FIELDS = frozenset([n for n in _names(QuantizeConfig) if n not in GROUPS]
+                   + [n for t in GROUPS.values() for n in _names(t)])
 
 
 def recipe_path(name: str) -> Path:
@@ -169,7 +244,7 @@ def load_recipe(name: str) -> QuantizeConfig:
     unknown = sorted(set(data) - FIELDS)
     if unknown:
         raise ValueError(f"recipe {p.name}: unknown key(s) {unknown}; allowed: {sorted(FIELDS)}")
-    return QuantizeConfig(**data)
+    return QuantizeConfig.from_flat(**data)
 
 
 def list_recipes() -> dict[str, str]:

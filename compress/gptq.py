@@ -1,15 +1,23 @@
 """GPTQ (Frantar et al., 2022): quantize columns one at a time, spreading each rounding error over
 the columns not yet quantized through the inverse Hessian of the layer's inputs, with lazy block
-updates. Pure tensor functions: the caller accumulates ``H`` and logs the returned loss.
+updates. Pure tensor functions at the top (the caller accumulates ``H`` and logs the returned loss);
+below them the adapter that hooks a decoder block's linears to accumulate their Hessians.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from compress.calibrate import BlockInputs, Run, autocast_of, layers_name, run_sequential, swap_linear, target_linears
+from compress.config import GPTQOptions, QuantizeConfig
+from compress.moe import ExpertResult, intermediate
 from compress.quant import QuantizedWeight, Scheme, find_params, mse_params, weighted_range_params
+
+GroupParams = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]  # (w [out, k], H diagonal [k])
 
 
 @dataclass
@@ -50,49 +58,59 @@ def _inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
     return torch.linalg.cholesky(Hinv, upper=True)
 
 
-def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, damp: float = 0.01, block_size: int = 128,
-                    act_order: bool = False, static_groups: bool = False, mse: bool = False,
+def _group_params(scheme: Scheme, g: int, mse: bool, weighted_range: bool) -> GroupParams:
+    """How one group's scale and zero are picked: min/max, the H-diagonal-weighted ``mse`` grid, or the
+    weighted range whose two ends move independently."""
+    def params(w: Tensor, hdiag: Tensor) -> tuple[Tensor, Tensor | None]:
+        if weighted_range:  # w: [out, k <= g] is one group
+            scale, zero = weighted_range_params(w, Scheme(scheme.bits, g, scheme.sym), hdiag)
+            return scale[:, 0], None if zero is None else zero[:, 0]
+        return mse_params(w, scheme, hdiag) if mse else find_params(w, scheme)
+    return params
+
+
+def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, opts: GPTQOptions = GPTQOptions(),
                     weighted_range: bool = False) -> GPTQResult:
     """GPTQ of ``W: [out, in]`` against the Hessian ``H: [in, in]``; ragged last groups allowed.
-    With ``mse`` each group's grid is the clipped range that minimises the Hessian-diagonal-weighted
+    With ``opts.mse`` each group's grid is the clipped range that minimises the Hessian-diagonal-weighted
     rounding error (:func:`compress.quant.mse_params`) instead of its full min/max; with ``weighted_range``
     the range's two ends move independently and the error is the squared output error under the Hessian's
     diagonal (:func:`compress.quant.weighted_range_params`)."""
+    if scheme.format != "int":
+        raise ValueError(f"GPTQ quantizes to integer grids; format={scheme.format!r} is not supported (use nf4 recipe)")
     W = W.detach().float().clone()
-    out_f, in_f = W.shape
+    in_f = W.shape[1]
     H = H.float().clone()
     dead = H.diagonal() == 0
     H[dead, dead] = 1
     W[:, dead] = 0
     g = scheme.group(in_f)
-    n_groups = scheme.n_groups(in_f)
-
-    def params(w: Tensor, cols: Tensor | slice) -> tuple[Tensor, Tensor | None]:
-        if weighted_range:  # w: [out, k <= g] is one group
-            scale, zero = weighted_range_params(w, Scheme(scheme.bits, g, scheme.sym), hdiag[cols])
-            return scale[:, 0], None if zero is None else zero[:, 0]
-        return mse_params(w, scheme, hdiag[cols]) if mse else find_params(w, scheme)
-
+    params = _group_params(scheme, g, opts.mse, weighted_range)
     hdiag = H.diagonal().clone()  # the grid searches read only the diagonal (in the current column order)
     static = None
-    if static_groups:  # qparams per natural-order group, fixed before any update
-        static = [params(W[:, j * g:(j + 1) * g], slice(j * g, (j + 1) * g)) for j in range(n_groups)]
+    if opts.static_groups:  # qparams per natural-order group, fixed before any update
+        static = [params(W[:, j * g:(j + 1) * g], hdiag[j * g:(j + 1) * g]) for j in range(scheme.n_groups(in_f))]
     perm = None
-    if act_order:
+    if opts.act_order:
         perm = torch.argsort(H.diagonal(), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
         hdiag = H.diagonal().clone()
-    Hinv = _inverse_hessian_factor(H, damp)
+    Hinv = _inverse_hessian_factor(H, opts.damp)
     del H  # only its diagonal is read from here on
+    Q, scales, zeros, loss = _quantize_columns(W, Hinv, hdiag, scheme, opts.block_size, params, static, perm)
+    return _result(Q, scales, zeros, loss, scheme, static, perm)
 
+
+def _quantize_columns(W: Tensor, Hinv: Tensor, hdiag: Tensor, scheme: Scheme, block_size: int, params: GroupParams,
+                      static: list | None, perm: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """The column loop with lazy block updates: codes [out, in], per-group scales and zeros, and the loss."""
+    out_f, in_f = W.shape
+    g, n_groups = scheme.group(in_f), scheme.n_groups(in_f)
     scales = torch.empty(out_f, n_groups, dtype=torch.float16)
     zeros = torch.empty(out_f, n_groups, dtype=torch.uint8) if scheme.has_zeros else None
     Q = torch.empty(out_f, in_f, dtype=torch.uint8)
     loss = torch.zeros((), dtype=torch.float32)
-    if scheme.format != "int":
-        raise ValueError(f"GPTQ quantizes to integer grids; format={scheme.format!r} is not supported (use nf4 recipe)")
     s = z = None  # current group's scale and zero as float columns
-
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
         W1 = W[:, i1:i2].clone()
@@ -101,13 +119,12 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, damp: float = 0.01, bl
         for i in range(i2 - i1):
             col = i1 + i
             if static is not None:
-                gi = (perm[col].item() if perm is not None else col) // g
-                scale, zero = static[gi]
+                scale, zero = static[(perm[col].item() if perm is not None else col) // g]
                 s, z = scale.float(), (scheme.sym_zero if zero is None else zero.float())
             elif col % g == 0:  # a new group starts: qparams from the error-updated weights
                 # columns [col, col+g): the rest of this block is in W1, anything beyond in W
                 group = torch.cat([W1[:, i:i + g], W[:, i2:col + g]], dim=1)
-                scale, zero = params(group, slice(col, col + group.shape[1]))
+                scale, zero = params(group, hdiag[col:col + group.shape[1]])
                 scales[:, col // g] = scale
                 if zeros is not None:
                     zeros[:, col // g] = zero
@@ -122,7 +139,13 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, damp: float = 0.01, bl
             W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return Q, scales, zeros, loss
 
+
+def _result(Q: Tensor, scales: Tensor, zeros: Tensor | None, loss: Tensor, scheme: Scheme, static: list | None,
+            perm: Tensor | None) -> GPTQResult:
+    """Static groups' qparams, the codes back in natural column order, and each column's group under act-order."""
+    in_f = Q.shape[1]
     g_idx = None
     if static is not None:
         scales = torch.stack([s for s, _ in static], dim=1)
@@ -132,5 +155,62 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, damp: float = 0.01, bl
         inv = torch.argsort(perm)
         Q = Q[:, inv]
         if static is None:  # groups were formed in permuted order: record each column's group
-            g_idx = (torch.arange(in_f) // g)[inv].to(torch.int32)
+            g_idx = (torch.arange(in_f) // scheme.group(in_f))[inv].to(torch.int32)
     return GPTQResult(QuantizedWeight(Q, scales, zeros, scheme, g_idx), loss.item())
+
+
+# -- the adapter: hooks that accumulate each linear's Hessian in a decoder block --------------------
+def observe(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs) -> dict[str, Hessian]:
+    """Each linear's Hessian over the block's calibration inputs; linears fed the very same tensor (q/k/v)
+    share one."""
+    hessians = {n: Hessian.zeros(m.in_features) for n, m in linears.items()}
+    owner: dict[str, str] = {}
+    first_batch: dict[int, tuple[str, Tensor]] = {}  # holds the tensors so addresses stay unique
+
+    def hook(name):
+        def fn(module, args):
+            x = args[0]
+            if name not in owner:
+                rep = first_batch.get(x.data_ptr())
+                owner[name] = rep[0] if rep is not None and rep[1] is x else name
+                first_batch.setdefault(x.data_ptr(), (name, x))
+            if owner[name] == name:
+                hessians[name].add(x)
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    try:
+        inputs.forward(block)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: hessians[owner[n]] for n in linears}
+
+
+def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeConfig) -> ExpertResult:
+    """GPTQ of one MoE expert on its routed tokens ``x [n, H]``; the down projection's Hessian is taken on
+    the outputs of the already quantized gate/up (sequential within the expert)."""
+    h = Hessian.zeros(x.shape[1])
+    h.add(x)
+    gu = quantize_weight(w_gu, h.H, cfg.scheme, cfg.gptq, cfg.weighted_range)
+    inter = intermediate(x, gu.weight.dequantize(), act)
+    h = Hessian.zeros(inter.shape[1])
+    h.add(inter)
+    dn = quantize_weight(w_down, h.H, cfg.scheme, cfg.gptq, cfg.weighted_range)
+    return ExpertResult(gu.weight, dn.weight, {"gate_up_proj": gu.loss, "down_proj": dn.loss})
+
+
+def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
+    """GPTQ, block by block on the previous blocks' quantized outputs, then each block's MoE experts."""
+    prefix = layers_name(model)
+
+    def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
+        linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
+        hessians = observe(block, linears, inputs)
+        for name, lin in linears.items():
+            res = quantize_weight(lin.weight.data, hessians[name].H, cfg.scheme, cfg.gptq, cfg.weighted_range)
+            run.report.layers.append({"layer": i, "name": name, "loss": res.loss})
+            swap_linear(block, name, lin, res.weight)
+        if run.experts is not None:
+            run.report.layers.extend(run.experts(i, block, inputs, partial(quantize_expert, cfg=cfg)))
+    run_sequential(model, run.batches, per_block, run.progress, autocast_of(cfg.calib_dtype), run.store)

@@ -100,7 +100,7 @@ def _calibration(cfg: QuantizeConfig, tokenizer):
 def _quantization_config(model, cfg: QuantizeConfig, calibration: dict, recipe: str | None, src) -> dict:
     from compress.checkpoint import build_quantization_config
 
-    return build_quantization_config(model, cfg.method, cfg.scheme, cfg.act_order and not cfg.static_groups,
+    return build_quantization_config(model, cfg.method, cfg.scheme, cfg.gptq.act_order and not cfg.gptq.static_groups,
                                      calibration, extra={"recipe": recipe, "source_model": src.name,
                                                          "config": cfg.to_dict()})
 

@@ -86,10 +86,10 @@ def plan(model: nn.Module, cfg, streamed: bool) -> MemoryPlan:
     tokens = cfg.nsamples * cfg.seqlen if calib else 0
     activations = 3 * tokens * hidden * 4  # a block's inputs, its outputs, and one batch's intermediates
     statistics = 0
-    if cfg.method == "gptq" or getattr(cfg, "rounding", "rtn") == "gptq":
+    if cfg.gptq_rounding:
         statistics = sum(m.in_features ** 2 for m in linears) * 4 + 3 * widest ** 2 * 4  # Hessians + inverse
     if cfg.method == "awq":
-        statistics += len(linears) * cfg.search_tokens * widest * 4
+        statistics += len(linears) * cfg.awq.search_tokens * widest * 4
     if streamed:  # one fp32 block, its stored copy while loading, the packed result
         return MemoryPlan(2 * block, activations, statistics)
     whole = _numel(model) * 4

@@ -1,6 +1,7 @@
 """Mixture-of-experts quantization: every expert is quantized with the tokens its router actually sent
-it during calibration (GPTQ with a per-expert Hessian, or AWQ's up->down scale and clipping search,
-or data-free RTN/NF4), then each layer's experts are packed into one
+it during calibration, by the method's own expert quantizer (``compress.gptq.quantize_expert``,
+``compress.awq.quantize_expert``: the same option groups as the method's dense path), or from its
+weights alone (RTN/NF4), then each layer's experts are packed into one
 :class:`compress.moe_packed.PackedMoEExperts`. An expert routed fewer than ``moe_min_tokens`` tokens
 is RTN-quantized with a logged warning: never left in fp, never fed an empty Hessian. The router
 stays in fp. Which module holds the experts is data (compress/families.py), keyed by model_type.
@@ -8,12 +9,16 @@ stays in fp. Which module holds the experts is data (compress/families.py), keye
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from compress import awq, gptq, nf4, rtn
+from compress import rtn
+from compress.calibrate import BlockInputs, kept_fp
+from compress.checkpoint import moe_entries, set_module  # noqa: F401  (moe_entries: the checkpoint's record)
+from compress.config import QuantizeConfig
 from compress.families import FAMILIES, ExpertLayout, supported
 from compress.moe_packed import PackedLinears, PackedMoEExperts
 from compress.quant import QuantizedWeight, Scheme
@@ -47,11 +52,7 @@ def min_tokens(cfg) -> int:
     return DEFAULT_MIN_TOKENS if cfg.moe_min_tokens is None else cfg.moe_min_tokens
 
 
-def _data_free(w: Tensor, scheme: Scheme) -> QuantizedWeight:
-    return nf4.quantize_weight(w, scheme.group_size) if scheme.format == "nf4" else rtn.quantize_weight(w, scheme)
-
-
-def _intermediate(x: Tensor, w_gu: Tensor, act) -> Tensor:
+def intermediate(x: Tensor, w_gu: Tensor, act) -> Tensor:
     """The down projection's input ``act(gate) * up`` for routed tokens ``x [n, H]``."""
     gate, up = (x @ w_gu.T).chunk(2, dim=-1)
     return act(gate) * up
@@ -64,43 +65,13 @@ class ExpertResult:
     losses: dict[str, float]
 
 
-def quantize_expert_rtn(w_gu: Tensor, w_down: Tensor, scheme: Scheme) -> ExpertResult:
-    return ExpertResult(_data_free(w_gu, scheme), _data_free(w_down, scheme), {})
+# a calibrated method's quantizer of one expert: (gate_up [2I, H], down [H, I], routed tokens x [n, H], act)
+ExpertFn = Callable[[Tensor, Tensor, Tensor, Callable], ExpertResult]
 
 
-def quantize_expert_gptq(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg) -> ExpertResult:
-    """GPTQ of one expert on its routed tokens ``x [n, H]``; the down projection's Hessian is taken on
-    the outputs of the already quantized gate/up (sequential within the expert)."""
-    h = gptq.Hessian.zeros(x.shape[1])
-    h.add(x)
-    gu = gptq.quantize_weight(w_gu, h.H, cfg.scheme, cfg.damp, cfg.block_size, cfg.act_order, cfg.static_groups)
-    inter = _intermediate(x, gu.weight.dequantize(), act)
-    h = gptq.Hessian.zeros(inter.shape[1])
-    h.add(inter)
-    dn = gptq.quantize_weight(w_down, h.H, cfg.scheme, cfg.damp, cfg.block_size, cfg.act_order, cfg.static_groups)
-    return ExpertResult(gu.weight, dn.weight, {"gate_up_proj": gu.loss, "down_proj": dn.loss})
-
-
-def quantize_expert_awq(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg) -> ExpertResult:
-    """AWQ of one expert: scale search between up and down (the only op private to the expert; the
-    norm before gate/up is shared with the router and every other expert), then clipping search."""
-    scheme = cfg.scheme
-    w_gu, w_down = w_gu.float().clone(), w_down.float().clone()
-    inter_all = _intermediate(x, w_gu, act)  # [n, I]
-    rows = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[:cfg.search_tokens]
-    x, inter = x[rows], inter_all[rows]  # a fixed sample of the routed tokens for the searches
-    ref = inter @ w_down.T
-    res = awq.search_scale(inter_all.abs().mean(0), [w_down], scheme, lambda ws: inter @ ws[0].T, ref, cfg.grid)
-    s = res.scales  # [I]: up rows / s, down columns * s leaves the fp expert unchanged
-    n_i = w_down.shape[1]
-    w_gu[n_i:] /= s[:, None]
-    w_down *= s
-    inter = inter / s
-    if cfg.clip:
-        w_gu = awq.clip_weight(w_gu, awq.search_clip(x[:512], w_gu, scheme, cfg.grid), scheme)
-        w_down = awq.clip_weight(w_down, awq.search_clip(inter[:512], w_down, scheme, cfg.grid), scheme)
-    return ExpertResult(rtn.quantize_weight(w_gu, scheme), rtn.quantize_weight(w_down, scheme),
-                        {"down_proj": res.loss, "down_proj_rtn": res.base_loss})
+def quantize_expert_data_free(w_gu: Tensor, w_down: Tensor, scheme: Scheme) -> ExpertResult:
+    """One expert from its weights alone, on the scheme's grid (integers or the NF4 codebook)."""
+    return ExpertResult(rtn.quantize_weight(w_gu, scheme), rtn.quantize_weight(w_down, scheme), {})
 
 
 class RoutedInputs:
@@ -122,13 +93,14 @@ class RoutedInputs:
         return torch.cat(parts) if parts else torch.empty(0)
 
 
-def quantize_experts(experts: nn.Module, layout: ExpertLayout, cfg, routed: RoutedInputs | None,
-                     where: str = "") -> tuple[PackedMoEExperts, list[dict]]:
-    """Quantize each expert of a fused experts module; returns the packed module and one record per expert."""
+def quantize_experts(experts: nn.Module, layout: ExpertLayout, cfg, routed: RoutedInputs | None, where: str = "",
+                     expert: ExpertFn | None = None) -> tuple[PackedMoEExperts, list[dict]]:
+    """Quantize each expert of a fused experts module, by ``expert`` on its ``routed`` tokens (from its weights
+    alone without ``expert``); returns the packed module and one record per expert."""
     w_gu_all = getattr(experts, layout.gate_up).data
     w_dn_all = getattr(experts, layout.down).data
     n_experts = w_gu_all.shape[0]
-    calibrated = cfg.method in ("gptq", "awq")
+    calibrated = expert is not None
     assert not calibrated or routed is not None, "calibrated expert quantization needs routed inputs"
     need = min_tokens(cfg)
     gate_ups, downs, records, fallback = [], [], [], []
@@ -136,15 +108,12 @@ def quantize_experts(experts: nn.Module, layout: ExpertLayout, cfg, routed: Rout
         w_gu, w_dn = w_gu_all[e].float(), w_dn_all[e].float()
         x = routed.tokens(e).float() if calibrated else None
         n = 0 if x is None else x.shape[0]
-        if not calibrated:
-            res = quantize_expert_rtn(w_gu, w_dn, cfg.scheme)
-        elif n < need:
-            fallback.append(e)
-            res = quantize_expert_rtn(w_gu, w_dn, cfg.scheme)
-        elif cfg.method == "gptq":
-            res = quantize_expert_gptq(w_gu, w_dn, x, experts.act_fn, cfg)
+        if calibrated and n >= need:
+            res = expert(w_gu, w_dn, x, experts.act_fn)
         else:
-            res = quantize_expert_awq(w_gu, w_dn, x, experts.act_fn, cfg)
+            if calibrated:
+                fallback.append(e)
+            res = quantize_expert_data_free(w_gu, w_dn, cfg.scheme)
         gate_ups.append(res.gate_up)
         downs.append(res.down)
         records.append({"expert": e, "tokens": n, "fallback": e in fallback, **res.losses})
@@ -159,11 +128,6 @@ def quantize_experts(experts: nn.Module, layout: ExpertLayout, cfg, routed: Rout
     return packed, records
 
 
-def _swap(block: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(block.get_submodule(parent) if parent else block, child, module)
-
-
 def experts_of(block: nn.Module, layout: ExpertLayout) -> nn.Module | None:
     """The block's fused experts module, or ``None`` (a dense layer inside a MoE model, e.g. qwen2_moe's
     ``mlp_only_layers``)."""
@@ -174,47 +138,36 @@ def experts_of(block: nn.Module, layout: ExpertLayout) -> nn.Module | None:
     return m if isinstance(getattr(m, layout.gate_up, None), nn.Parameter) else None
 
 
-def quantize_block_experts(i: int, block: nn.Module, layout: ExpertLayout, cfg, inputs=None) -> list[dict]:
-    """Quantize and pack the experts of decoder block ``i``; ``inputs`` (compress.calibrate.BlockInputs)
-    are run through the block to capture each expert's routed tokens when the method calibrates."""
+def quantize_block_experts(i: int, block: nn.Module, layout: ExpertLayout, cfg, inputs: BlockInputs | None = None,
+                           expert: ExpertFn | None = None, prefix: str = "") -> list[dict]:
+    """Quantize and pack the experts of decoder block ``i`` (full name ``prefix``): by ``expert`` on the tokens
+    routed to each when ``inputs`` are run through the block, or from their weights alone. Experts that
+    ``cfg.ignore`` names stay in fp."""
     experts = experts_of(block, layout)
-    if experts is None:
+    if experts is None or kept_fp(f"{prefix}{layout.experts}", cfg.ignore):
         return []
     routed = None
-    if cfg.method in ("gptq", "awq"):
+    if expert is not None:
         routed = RoutedInputs()
         handle = experts.register_forward_pre_hook(routed.hook, with_kwargs=True)
         try:
             inputs.forward(block)
         finally:
             handle.remove()
-    packed, records = quantize_experts(experts, layout, cfg, routed, f"layer {i}")
-    _swap(block, layout.experts, packed)
+    packed, records = quantize_experts(experts, layout, cfg, routed, f"layer {i}", expert)
+    set_module(block, layout.experts, packed)
     return [{"layer": i, **r} for r in records]
 
 
-# -- checkpoint ----------------------------------------------------------------------------------
-def moe_entries(model: nn.Module) -> dict[str, dict]:
-    """``quantization_config["moe"]``: every packed experts module, its scheme, shapes and fallbacks."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, PackedMoEExperts):
-            out[name] = {**m.gate_up_proj.scheme.to_dict(), "act_order": m.gate_up_proj.g_idx is not None,
-                         "num_experts": m.num_experts, "hidden_size": m.hidden_dim,
-                         "intermediate_size": m.intermediate_dim, "gate_up": "concatenated",
-                         "projections": {"gate_up_proj": [2 * m.intermediate_dim, m.hidden_dim],
-                                         "down_proj": [m.hidden_dim, m.intermediate_dim]},
-                         "rtn_fallback": list(getattr(m, "rtn_fallback", []))}
-    return out
+@dataclass(frozen=True)
+class BlockExperts:
+    """The expert step the pipeline hands a method for a MoE model (``compress.calibrate.Run.experts``):
+    after block ``i``'s linears, ``step(i, block, inputs, expert)`` quantizes and packs its experts."""
 
+    layout: ExpertLayout
+    cfg: QuantizeConfig  # whole: the method's expert quantizer reads the same option groups as its dense path
+    prefix: str  # the decoder blocks' full name, e.g. "model.layers"
 
-def swap_in_packed_experts(model: nn.Module, entries: dict[str, dict]) -> None:
-    """Replace each named fused experts module by an empty :class:`PackedMoEExperts` of the recorded scheme."""
-    from compress.checkpoint import scheme_of
-
-    for name, entry in entries.items():
-        old = model.get_submodule(name)
-        packed = PackedMoEExperts.empty(entry["num_experts"], entry["hidden_size"], entry["intermediate_size"],
-                                        scheme_of(entry), old.act_fn, entry.get("act_order", False))
-        packed.rtn_fallback = list(entry.get("rtn_fallback", []))
-        _swap(model, name, packed)
+    def __call__(self, i: int, block: nn.Module, inputs: BlockInputs | None = None,
+                 expert: ExpertFn | None = None) -> list[dict]:
+        return quantize_block_experts(i, block, self.layout, self.cfg, inputs, expert, f"{self.prefix}.{i}.")

@@ -19,14 +19,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from compress import quant
+from compress import awq, quant
+from compress.calibrate import QuantizeReport, Run, decoder_layers, layers_name, target_linears
+from compress.checkpoint import set_module
+from compress.config import QuantizeConfig
 from compress.qlinear import QuantLinear
 from compress.quant import MIN_SCALE, QuantizedWeight, Scheme, compute_qparams, group_index
 from compress.train import TrainConfig, TrainProgress, TrainResult, distill
 
 log = logging.getLogger(__name__)
 
-INIT_METHODS = ("rtn", "awq")
 AWQ_INIT_TOKENS = 128 * 512  # AWQ's own calibration budget (recipes/awq4.yaml); QAT may train on more
 
 
@@ -128,18 +130,10 @@ class FakeQuantLinear(nn.Module):
                 f"sym={s.sym}, learn_zero={isinstance(self.zero, nn.Parameter)}")
 
 
-def _set(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, module)
-
-
 def _targets(model: nn.Module, ignore: tuple[str, ...]) -> dict[str, nn.Linear]:
-    """Full names of the linears PTQ would quantize (the same selection as compress.pipeline)."""
-    from compress.calibrate import decoder_layers
-    from compress.pipeline import target_linears
-
+    """Full names of the linears PTQ would quantize (the same selection as every method's)."""
     layers = decoder_layers(model)
-    prefix = next(n for n, m in model.named_modules() if m is layers)
+    prefix = layers_name(model)
     out = {}
     for i, block in enumerate(layers):
         for name, lin in target_linears(block, ignore, f"{prefix}.{i}.").items():
@@ -154,15 +148,15 @@ def init_rtn(model: nn.Module, scheme: Scheme, ignore: tuple[str, ...], learn_ze
     for name, lin in _targets(model, ignore).items():
         scale, zero = compute_qparams(lin.weight.data, scheme)
         fakes[name] = FakeQuantLinear(lin.weight.data, lin.bias, scale, zero, scheme, learn_zero)
-        _set(model, name, fakes[name])
+        set_module(model, name, fakes[name])
     return fakes
 
 
-def init_awq(model: nn.Module, cfg, batches: list[Tensor], progress=None) -> dict[str, FakeQuantLinear]:
-    """Run AWQ, then wrap each result: latent weight = AWQ's smoothed fp weight (clamped to the grid's
-    range), qparams = AWQ's clipped scales and zeros; the initial fake-quantized model equals AWQ's."""
-    from compress.pipeline import quantize_model
-
+def init_awq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], progress=None
+             ) -> dict[str, FakeQuantLinear]:
+    """Run AWQ (the config's awq options), then wrap each result: latent weight = AWQ's smoothed fp weight
+    (clamped to the grid's range), qparams = AWQ's clipped scales and zeros; the initial fake-quantized model
+    equals AWQ's."""
     originals = _targets(model, cfg.ignore)  # AWQ scales these modules' weights in place, then swaps them out
     n, used = 0, []
     for b in batches:  # the first AWQ_INIT_TOKENS tokens are enough for AWQ's statistics
@@ -170,7 +164,7 @@ def init_awq(model: nn.Module, cfg, batches: list[Tensor], progress=None) -> dic
             break
         used.append(b)
         n += b.numel()
-    quantize_model(model, cfg.replace(method="awq", kv_heads=0, uptrain_steps=0, rotate="none"), used, progress)
+    awq.quantize(model, cfg, Run(QuantizeReport("awq"), used, progress))
     fakes, agree, total = {}, 0, 0
     for name, lin in originals.items():
         ql = model.get_submodule(name)
@@ -180,18 +174,18 @@ def init_awq(model: nn.Module, cfg, batches: list[Tensor], progress=None) -> dic
         z = float(qw.scheme.sym_zero) if qw.zero is None else qw.zero.float().index_select(
             1, group_index(lin.in_features, qw.scheme))
         w = torch.clamp(lin.weight.data.float(), (0 - z) * s, (qw.scheme.maxq - z) * s)
-        f = FakeQuantLinear(w, ql.bias, qw.scale, qw.zero, qw.scheme, cfg.learn_zero)
+        f = FakeQuantLinear(w, ql.bias, qw.scale, qw.zero, qw.scheme, cfg.qat.learn_zero)
         differ = f.quantized_weight().q != qw.q  # weights AWQ clipped just inside the grid's edge
         agree += qw.q.numel() - differ.sum().item()
         total += qw.q.numel()
         with torch.no_grad():  # put those on AWQ's grid point, so training starts from AWQ exactly
             f.weight.copy_(torch.where(differ, qw.dequantize(), f.weight))
         fakes[name] = f
-        _set(model, name, f)
-    # guards the coupling with compress.pipeline's AWQ (smoothing in place): codes must nearly agree
+        set_module(model, name, f)
+    # guards the coupling with compress.awq's adapter (smoothing in place): codes must nearly agree
     if agree < 0.99 * total:
         raise RuntimeError(f"AWQ init: only {agree / total:.1%} of codes match the AWQ result; "
-                           "compress.pipeline no longer scales the original linears in place")
+                           "compress.awq no longer scales the original linears in place")
     return fakes
 
 
@@ -199,7 +193,7 @@ def freeze(model: nn.Module) -> int:
     """Replace every FakeQuantLinear by its packed QuantLinear; returns how many were frozen."""
     names = [n for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)]
     for n in names:
-        _set(model, n, model.get_submodule(n).freeze())
+        set_module(model, n, model.get_submodule(n).freeze())
     return len(names)
 
 
@@ -217,8 +211,8 @@ def trainable_groups(fakes: dict[str, FakeQuantLinear], lr: float, scale_lr: flo
     return [{"params": weights, "lr": lr}, {"params": qparams, "lr": scale_lr}]
 
 
-def quantize(model: nn.Module, cfg, batches: list[Tensor], teacher: nn.Module | None = None,
-             progress=None, train_progress: TrainProgress | None = None) -> QATResult:
+def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher: nn.Module | None = None,
+          progress=None, train_progress: TrainProgress | None = None) -> QATResult:
     """QAT of ``model`` in place with a :class:`compress.config.QuantizeConfig` (method qat): PTQ init,
     distillation from ``teacher`` (default: a copy of ``model`` as given), then freeze to QuantLinears."""
     if not batches:
@@ -230,18 +224,19 @@ def quantize(model: nn.Module, cfg, batches: list[Tensor], teacher: nn.Module | 
         teacher = copy.deepcopy(model)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    if cfg.init == "awq":
+    opts = cfg.qat
+    if opts.init == "awq":
         fakes = init_awq(model, cfg, batches, progress)
     else:
-        fakes = init_rtn(model, cfg.scheme, cfg.ignore, cfg.learn_zero)
+        fakes = init_rtn(model, cfg.scheme, cfg.ignore, opts.learn_zero)
     for p in model.parameters():
         p.requires_grad_(False)
-    groups = trainable_groups(fakes, cfg.lr, cfg.scale_lr)
+    groups = trainable_groups(fakes, opts.lr, opts.scale_lr)
     for g in groups:
         for p in g["params"]:
             p.requires_grad_(True)
-    tcfg = TrainConfig(steps=cfg.steps, batch_size=cfg.batch_size, dtype=cfg.train_dtype, seed=cfg.seed)
-    log.info("QAT: %d linears from %s, %d steps on %d windows of %d tokens", len(fakes), cfg.init, cfg.steps,
+    tcfg = TrainConfig(steps=opts.steps, batch_size=cfg.batch_size, dtype=cfg.train_dtype, seed=cfg.seed)
+    log.info("QAT: %d linears from %s, %d steps on %d windows of %d tokens", len(fakes), opts.init, opts.steps,
              ids.shape[0], ids.shape[1])
     try:
         result = distill(model, teacher, ids, [g for g in groups if g["params"]], tcfg, train_progress)
@@ -250,4 +245,13 @@ def quantize(model: nn.Module, cfg, batches: list[Tensor], teacher: nn.Module | 
             p.requires_grad_(False)
     n = freeze(model)
     log.info("QAT: loss %.4f -> %.4f in %.0f s; froze %d linears", result.first, result.last, result.seconds, n)
-    return QATResult(result, n, cfg.init)
+    return QATResult(result, n, opts.init)
+
+
+# -- the adapter ---------------------------------------------------------------------------------
+def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
+    """QAT in place (:func:`train`), its losses in the report's notes."""
+    res = train(model, cfg, run.batches, run.teacher, run.progress, run.train_progress)
+    run.report.notes["qat"] = {"init": res.init, "modules": res.modules, "steps": len(res.train.losses),
+                               "loss_first": res.train.first, "loss_last": res.train.last,
+                               "train_seconds": res.train.seconds}

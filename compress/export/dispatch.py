@@ -1,55 +1,70 @@
-"""`compress export`: one plain dict from format name to its exporter, and the checks every format shares."""
+"""`compress export`: one plain dict from format name to its exporter, and the checks every format shares.
+
+``FORMATS`` is the one list of formats (the CLI's ``--format`` help reads it). Importing this file loads
+no exporter, and no torch: each format names its module, imported when the format is used.
+"""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
-
-from compress.checkpoint import atomic_dir
-from compress.export import awq, compressed_tensors, dtypes, gguf, gptq, onnx_fp, onnx_int4
-from compress.export.common import Source, load_source
-from compress.qlinear import QuantLinear
+if TYPE_CHECKING:
+    from compress.export.common import Source
+    from compress.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ExportFormat:
-    """An exporter writes ``source`` into an empty folder (or, with ``suffix``, one file of that suffix);
-    ``check`` says why a layer cannot be carried; ``options`` is the format's own options type, passed whole.
-    ``--dtype`` takes ``dtypes``; left out, it is the model's own where ``own_dtype`` (and in ``dtypes``), else
-    ``default_dtype`` (compress/export/dtypes.py)."""
+    """The exporter compress/export/``module``.py writes a source into an empty folder (or, with ``suffix``, one
+    file of that suffix) by ``write(source, out, dtype)`` (with ``options``: ``write(source, out, dtype, options)``,
+    ``options`` naming the module's own options type, passed whole); its ``check(layer)``, where it has one, says
+    why a layer cannot be carried (without one it carries any layer, dequantized). ``--dtype`` takes ``dtypes``;
+    left out, it is the model's own where ``own_dtype`` (and in ``dtypes``), else ``default_dtype``
+    (compress/export/dtypes.py)."""
 
-    write: Callable[..., None]  # (source, out, dtype) or, with options, (source, out, dtype, options)
-    check: Callable[[QuantLinear], str | None] | None  # None: carries any layer (dequantized)
+    module: str
     quantized_only: bool
     default_dtype: str
     suffix: str | None = None
-    options: type | None = None
+    options: str | None = None
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")  # compress/export/dtypes.py DTYPES
     own_dtype: bool = False
     family_step: str | None = None  # the step of compress/families.py that must handle the model type
     experts: bool = False  # carries packed MoE experts
     fp16_probe: bool = True  # float16 only after a float16 forward of the model stays finite
 
+    def exporter(self) -> ModuleType:
+        return importlib.import_module(f"compress.export.{self.module}")
+
+    @property
+    def check(self) -> Callable[[QuantLinear], str | None] | None:
+        return getattr(self.exporter(), "check", None)
+
+    @property
+    def options_type(self) -> type | None:
+        return None if self.options is None else getattr(self.exporter(), self.options)
+
 
 _ONNX = dict(dtypes=("float32", "float16"), family_step="onnx")  # ONNX Runtime's CPU kernels: no bfloat16
 FORMATS: dict[str, ExportFormat] = {
-    "compressed-tensors": ExportFormat(compressed_tensors.write, compressed_tensors.check, True, "bfloat16",
-                                       own_dtype=True),
-    "gptq": ExportFormat(gptq.write, gptq.check, True, "bfloat16", own_dtype=True),
-    "awq": ExportFormat(awq.write, awq.check, True, "bfloat16", own_dtype=True),
-    "onnx": ExportFormat(onnx_fp.write, None, False, "float32", **_ONNX),
-    "onnx-int4": ExportFormat(onnx_int4.write, onnx_int4.check, True, "float32", **_ONNX),
+    "compressed-tensors": ExportFormat("compressed_tensors", True, "bfloat16", own_dtype=True),
+    "gptq": ExportFormat("gptq", True, "bfloat16", own_dtype=True),
+    "awq": ExportFormat("awq", True, "bfloat16", own_dtype=True),
+    "onnx": ExportFormat("onnx_fp", False, "float32", **_ONNX),
+    "onnx-int4": ExportFormat("onnx_int4", True, "float32", **_ONNX),
     # llama.cpp's own default: F16 matrices; it computes activations in fp32, so float16 needs no probe
-    "gguf": ExportFormat(gguf.write, gguf.check, False, "float16", suffix=".gguf", options=gguf.GGUFOptions,
-                         family_step="gguf", experts=True, fp16_probe=False),
+    "gguf": ExportFormat("gguf", False, "float16", suffix=".gguf", options="GGUFOptions", family_step="gguf",
+                         experts=True, fp16_probe=False),
 }
 
 
@@ -110,13 +125,17 @@ def atomic_file(out: Path, overwrite: bool = False):
 def export(spec: str, fmt: str, out: str | Path, overwrite: bool = False, dtype: str | None = None,
            options: object | None = None) -> Path:
     """Export the model ``spec`` (a compress quantized folder, an HF folder or a model name) as ``fmt``."""
+    from compress.checkpoint import atomic_dir
+    from compress.export import dtypes
+    from compress.export.common import load_source
     from compress.families import require
     from compress.models import declared_dtype, resolve, source_config
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; use one of: {', '.join(FORMATS)}")
     f = FORMATS[fmt]
-    if options is not None and not isinstance(options, f.options or ()):
+    options_type = f.options_type
+    if options is not None and not isinstance(options, options_type or ()):
         raise ValueError(f"--format {fmt} takes no {type(options).__name__}")
     out = Path(out)
     if f.suffix is not None and out.suffix != f.suffix:
@@ -140,7 +159,7 @@ def export(spec: str, fmt: str, out: str | Path, overwrite: bool = False, dtype:
         instead = "bfloat16" if "bfloat16" in f.dtypes else "float32"
         dtypes.require_fp16_safe(source.model, source.tokenizer, fmt, instead)
     log.info("exporting %s (%d quantized layers) as %s, %s", spec, len(source.qmodules), fmt, dtype)
-    args = (dtypes.DTYPES[dtype],) if f.options is None else (dtypes.DTYPES[dtype], options or f.options())
+    args = (dtypes.DTYPES[dtype],) if options_type is None else (dtypes.DTYPES[dtype], options or options_type())
     with (atomic_file(out, overwrite) if f.suffix else atomic_dir(out, overwrite=overwrite)) as tmp:
-        f.write(source, tmp, *args)
+        f.exporter().write(source, tmp, *args)
     return out

@@ -37,13 +37,15 @@ def hessians(model, tokens) -> dict:
 
 def errors(w, h, scheme) -> dict:
     from compress import gptq, rtn
+    from compress.config import GPTQOptions
 
     def err(qw):
         d = qw.dequantize() - w
         return torch.einsum("oi,ij,oj->", d, h, d).item()
 
-    def g(**kw):
-        return gptq.quantize_weight(w, h, scheme, 0.05, 128, True, True, **kw).weight
+    def g(mse=False, weighted_range=False):
+        opts = GPTQOptions(damp=0.05, act_order=True, static_groups=True, mse=mse)
+        return gptq.quantize_weight(w, h, scheme, opts, weighted_range).weight
 
     return {"rtn": err(rtn.quantize_weight(w, scheme)), "rtn weighted": err(rtn.quantize_weight(w, scheme, h.diagonal())),
             "gptq": err(g()), "gptq mse": err(g(mse=True)), "gptq weighted": err(g(weighted_range=True))}

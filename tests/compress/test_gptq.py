@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from compress import gptq, rtn
+from compress.config import GPTQOptions
 from compress.quant import Scheme
 
 
@@ -29,7 +30,8 @@ def test_hessian_is_running_mean_of_2xtx():
                                                   (True, True, True), (False, False, True)])
 def test_gptq_output_error_no_worse_than_rtn(scheme, act_order, static, mse):
     x, w, h = _layer()
-    res = gptq.quantize_weight(w, h.H, scheme, act_order=act_order, static_groups=static, block_size=32, mse=mse)
+    opts = GPTQOptions(block_size=32, act_order=act_order, static_groups=static, mse=mse)
+    res = gptq.quantize_weight(w, h.H, scheme, opts)
     err_gptq = (x @ (res.weight.dequantize() - w).T).pow(2).mean()
     err_rtn = (x @ (rtn.quantize_weight(w, scheme).dequantize() - w).T).pow(2).mean()
     assert err_gptq <= err_rtn
@@ -61,7 +63,7 @@ def test_weighted_range_picks_each_static_group_by_the_hessian_diagonal(scheme):
     from compress.quant import weighted_range_params
 
     x, w, h = _layer(seed=2)
-    res = gptq.quantize_weight(w, h.H, scheme, static_groups=True, weighted_range=True)
+    res = gptq.quantize_weight(w, h.H, scheme, GPTQOptions(static_groups=True), weighted_range=True)
     # static groups take their qparams from the original weights: exactly the weighted search on each group
     want, _ = weighted_range_params(w, scheme, h.H.diagonal())
     assert torch.equal(res.weight.scale, want)

@@ -112,7 +112,7 @@ def test_packed_block_matches_transformers_block_with_dequantized_weights(family
 def test_moe_families_quantize_pack_and_reload(family, method, tmp_path):
     base = moe_model(family)
     model = copy.deepcopy(base)
-    cfg = QuantizeConfig(method=method, bits=4, group_size=32, search_tokens=256, moe_min_tokens=8)
+    cfg = QuantizeConfig.from_flat(method=method, bits=4, group_size=32, search_tokens=256, moe_min_tokens=8)
     report = quantize_model(model, cfg, _batches())
     assert not [n for n, p in model.named_parameters() if p.ndim == 3], "experts left in fp"
     for layer in decoder_layers(model):
@@ -194,7 +194,7 @@ def test_dead_expert_falls_back_to_rtn_with_a_warning(caplog):
 
 def test_gptq_act_order_experts_keep_their_column_groups(tmp_path):
     model = moe_model("qwen2_moe")
-    cfg = QuantizeConfig(method="gptq", bits=4, group_size=16, act_order=True, moe_min_tokens=8)
+    cfg = QuantizeConfig.from_flat(method="gptq", bits=4, group_size=16, act_order=True, moe_min_tokens=8)
     quantize_model(model, cfg, _batches())
     packed = model.model.layers[0].mlp.experts
     assert packed.gate_up_proj.g_idx is not None and packed.gate_up_proj.g_idx.shape == (E, 64)
@@ -215,7 +215,7 @@ def test_moe_options_on_a_dense_model_are_an_error():
 def test_unsupported_moe_inputs_are_clear_errors():
     model = moe_model("mixtral")
     with pytest.raises(ValueError, match="method qat does not train mixture-of-experts"):
-        quantize_model(model, QuantizeConfig(method="qat", steps=2), _batches())
+        quantize_model(model, QuantizeConfig.from_flat(method="qat", steps=2), _batches())
     model.config.model_type = "mymoe"
     with pytest.raises(ValueError, match="'mymoe' keeps fused 3D expert weights"):
         quantize_model(model, QuantizeConfig(method="rtn"))
@@ -226,3 +226,22 @@ def test_model_type_without_awq_mapping_is_a_clear_error():
     model.config.model_type = "mystery"
     with pytest.raises(ValueError, match="does not handle model_type 'mystery'"):
         quantize_model(model, QuantizeConfig(method="awq"), _batches())
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_experts_named_by_ignore_stay_fp_and_reload(method, tmp_path):
+    base = moe_model("qwen2_moe")
+    model = copy.deepcopy(base)
+    cfg = QuantizeConfig.from_flat(method=method, bits=4, group_size=32, search_tokens=256, moe_min_tokens=8,
+                                   ignore=("lm_head", r"layers\.0\.mlp\.experts$"))
+    quantize_model(model, cfg, _batches())
+    layers = decoder_layers(model)
+    assert not isinstance(layers[0].mlp.experts, PackedMoEExperts)
+    assert torch.equal(layers[0].mlp.experts.gate_up_proj, decoder_layers(base)[0].mlp.experts.gate_up_proj)
+    assert all(isinstance(layer.mlp.experts, PackedMoEExperts) for layer in layers[1:])
+    qc = build_quantization_config(model, method, cfg.scheme)
+    assert "model.layers.0.mlp.experts" not in qc["moe"] and "model.layers.1.mlp.experts" in qc["moe"]
+    save_quantized(model, None, tmp_path / "q", qc)
+    ids = _batches(seed=3)[0]
+    with torch.no_grad():
+        assert torch.equal(load_quantized(tmp_path / "q")(ids).logits, model(ids).logits)

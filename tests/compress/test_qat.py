@@ -121,7 +121,7 @@ def test_qat_lowers_the_loss_and_reloads_identically(tmp_path):
     quantize_model(rtn, QuantizeConfig(method="rtn", bits=3, group_size=32))
     model = copy.deepcopy(base)
     seen = []
-    cfg = QuantizeConfig(method="qat", bits=3, group_size=32, steps=25, lr=1e-4, scale_lr=1e-2, batch_size=4,
+    cfg = QuantizeConfig.from_flat(method="qat", bits=3, group_size=32, steps=25, lr=1e-4, scale_lr=1e-2, batch_size=4,
                          train_dtype="float32")
     report = quantize_model(model, cfg, _batches(n=16), train_progress=lambda *a: seen.append(a))
     assert [s[:2] for s in seen] == [(i, 25) for i in range(1, 26)] and all(s[2] >= 0 for s in seen)
@@ -139,7 +139,7 @@ def test_qat_lowers_the_loss_and_reloads_identically(tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_qat_on_every_family_gives_the_ptq_checkpoint_format(family, tmp_path):
     model = tiny_model(family)
-    cfg = QuantizeConfig(method="qat", bits=4, group_size=32, steps=2, batch_size=4, train_dtype="float32")
+    cfg = QuantizeConfig.from_flat(method="qat", bits=4, group_size=32, steps=2, batch_size=4, train_dtype="float32")
     quantize_model(model, cfg, _batches(n=4))
     qmods = quantized_modules(model)
     assert len(qmods) == 7 * model.config.num_hidden_layers
@@ -157,7 +157,7 @@ def test_awq_init_starts_from_the_awq_result():
         for layer in base.model.layers:
             layer.input_layernorm.weight[:4] *= 20
     batches = _batches(n=4)
-    awq_cfg = QuantizeConfig(method="awq", bits=4, group_size=32, search_tokens=128, grid=8)
+    awq_cfg = QuantizeConfig.from_flat(method="awq", bits=4, group_size=32, search_tokens=128, grid=8)
     awq_model = copy.deepcopy(base)
     quantize_model(awq_model, awq_cfg, batches)
     model = copy.deepcopy(base)
@@ -176,9 +176,9 @@ def test_awq_init_starts_from_the_awq_result():
 
 def test_qat_without_calibration_data_is_a_clear_error():
     with pytest.raises(ValueError, match="needs calibration data"):
-        quantize_model(tiny_model("llama"), QuantizeConfig(method="qat", steps=2), None)
+        quantize_model(tiny_model("llama"), QuantizeConfig.from_flat(method="qat", steps=2), None)
     with pytest.raises(ValueError, match="calibration text"):
-        qat.quantize(tiny_model("llama"), QuantizeConfig(method="qat", steps=2), [])
+        qat.train(tiny_model("llama"), QuantizeConfig.from_flat(method="qat", steps=2), [])
 
 
 @pytest.mark.parametrize("field,value,msg", [
@@ -189,7 +189,7 @@ def test_qat_without_calibration_data_is_a_clear_error():
 ])
 def test_bad_qat_options(field, value, msg):
     with pytest.raises(ValueError, match=msg):
-        QuantizeConfig(method="qat", **{field: value})
+        QuantizeConfig.from_flat(method="qat", **{field: value})
 
 
 def test_cli_qat(tmp_path, calib_text, smol_tokenizer):
