@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from compress.export.dispatch import FORMATS as EXPORT_FORMATS  # the one list of export formats (loads no exporter)
+from compress.exporters.dispatch import FORMATS as EXPORT_FORMATS  # the one list of export formats (loads no exporter)
 
 
 class CompressGroup(click.Group):
@@ -150,7 +150,7 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
 def recipes():
     """List the bundled recipes, and the GGUF type each exports to losslessly (`compress export --format gguf`)."""
     from compress.config import list_recipes, load_recipe
-    from compress.export.gguf import recipe_block_type
+    from compress.exporters.gguf import recipe_block_type
 
     for name, desc in list_recipes().items():
         cfg = load_recipe(name)
@@ -297,7 +297,7 @@ KV_CACHE_DTYPE = click.option(
 @KV_CACHE_DTYPE
 def generate_cmd(model_spec, prompt, max_new_tokens, kv_cache_dtype):
     """Greedy continuation of PROMPT by a model name, HF/quantized folder or exported ONNX folder."""
-    from compress.export.onnx_runner import greedy_generate, load_causal_lm
+    from compress.exporters.onnx_runner import greedy_generate, load_causal_lm
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} must be at least 1")

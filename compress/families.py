@@ -114,7 +114,7 @@ class MoEArch:
 @dataclass(frozen=True)
 class GGUFArch:
     name: str  # general.architecture
-    permute_qk: bool  # interleave the rows of each q/k head for NORM rope (compress/export/gguf_arch.py)
+    permute_qk: bool  # interleave the rows of each q/k head for NORM rope (compress/exporters/gguf_arch.py)
     scalars: tuple[tuple[str, str], ...] = ()  # (key under the architecture, config attribute): float hparams
     names: tuple[tuple[str, str], ...] = ()  # (block module, GGUF name) where llama.cpp's name for it differs
     counts: tuple[tuple[str, str], ...] = ()  # (key under the architecture, config attribute): integer hparams

@@ -20,7 +20,7 @@ COLUMNS = ("family", "rtn, gptq, nf4, int8", "awq", "rotate", "kv-heads (gqa)", 
 
 def row(model_type: str) -> list[str]:
     """One family's cells, read from its entry in compress/families.py and the export formats' flags."""
-    from compress.export.dispatch import FORMATS
+    from compress.exporters.dispatch import FORMATS
     from compress.families import FAMILIES, supports
 
     fam = FAMILIES[model_type]

@@ -47,13 +47,13 @@ def test_an_unknown_override_is_refused_by_name(tiny_dir, tmp_path):
 
 
 def test_export_through_the_api(tiny_dir, tmp_path):
-    from compress.export.dispatch import FORMATS
+    from compress.exporters.dispatch import FORMATS
 
     q = compress.quantize(str(tiny_dir), recipe="rtn4", out=tmp_path / "q").out
-    path = compress.api.export(q, "compressed-tensors", tmp_path / "ct")
+    path = compress.export(q, "compressed-tensors", tmp_path / "ct")
     assert (path / "config.json").is_file() and "compressed-tensors" in FORMATS
     with pytest.raises(ValueError, match="apply to format gguf"):
-        compress.api.export(q, "gptq", tmp_path / "g", k_quants=True)
+        compress.export(q, "gptq", tmp_path / "g", k_quants=True)
 
 
 def _folder(tmp_path, **config):

@@ -22,14 +22,14 @@ def fingerprint(path: str | Path) -> list:
 
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file renamed into place."""
-    from compress.export.dispatch import atomic_file
+    from compress.exporters.dispatch import atomic_file
 
     with atomic_file(path, overwrite=True) as tmp:
         tmp.write_text(text)
 
 
 def write_atomic_bytes(path: Path, data: bytes) -> None:
-    from compress.export.dispatch import atomic_file
+    from compress.exporters.dispatch import atomic_file
 
     with atomic_file(path, overwrite=True) as tmp:
         tmp.write_bytes(data)

@@ -56,11 +56,11 @@ def engine_speed(spec: str, cfg) -> dict:
 
 
 def onnx_speed(path: str, cfg) -> dict:
-    """ONNX Runtime through compress/export/onnx_runner.py: greedy steps with the KV cache as I/O."""
+    """ONNX Runtime through compress/exporters/onnx_runner.py: greedy steps with the KV cache as I/O."""
     import numpy as np
     import torch
 
-    from compress.export.onnx_runner import OnnxCausalLM
+    from compress.exporters.onnx_runner import OnnxCausalLM
     from transformers import AutoTokenizer
 
     model, tok = OnnxCausalLM(path, threads=torch_threads()), AutoTokenizer.from_pretrained(path)
@@ -126,7 +126,7 @@ def llamacpp_speed(path: str, cfg) -> dict:
 
 def measure_speed(spec: str, cfg) -> dict:
     """The runtime that fits the artifact: ONNX folder, GGUF file, else this engine."""
-    from compress.export.onnx_runner import is_onnx_folder
+    from compress.exporters.onnx_runner import is_onnx_folder
 
     if is_onnx_folder(spec):
         return onnx_speed(spec, cfg)

@@ -50,7 +50,7 @@ def model_identity(spec: str) -> list:
 
 
 def _folder_variant(p: str) -> Variant:
-    from compress.export.onnx_runner import is_onnx_folder
+    from compress.exporters.onnx_runner import is_onnx_folder
 
     path = Path(p)
     if not path.exists():
@@ -149,7 +149,7 @@ class Materializer:
         return str(folder), {"quantize": facts}
 
     def _exported(self, v: Variant, ckpt: str, facts: dict) -> tuple[str, dict]:
-        from compress.export.dispatch import export
+        from compress.exporters.dispatch import export
 
         target = self.root / (f"{v.slug}.gguf" if v.fmt == "gguf" else v.slug)
 

@@ -35,7 +35,7 @@ def one_run(model, prompt: np.ndarray, new: int) -> tuple[float, float]:
 
 
 def main():
-    from compress.export.onnx_runner import OnnxCausalLM
+    from compress.exporters.onnx_runner import OnnxCausalLM
 
     ap = argparse.ArgumentParser()
     ap.add_argument("folders", nargs="+")

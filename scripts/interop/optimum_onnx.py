@@ -21,7 +21,7 @@ def export(work: Path) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
     from compress.checkpoint import build_quantization_config, save_quantized, set_module
-    from compress.export.dispatch import export as export_model
+    from compress.exporters.dispatch import export as export_model
     from compress.qlinear import QuantLinear
     from compress.quant import Scheme
     from compress.rtn import quantize_weight

@@ -1,7 +1,7 @@
 """Every family of compress/families.py end to end on its tiny model: the bundled rtn4, gptq4 and awq4 recipes
 quantize it, the folder reloads (through compress.models.load_model, as every command does) to identical
 logits, and AWQ's smoothing map leaves the fp function unchanged. The exports of these folders are checked
-per family in tests/compress/export/test_families.py."""
+per family in tests/compress/exporters/test_families.py."""
 from __future__ import annotations
 
 import copy

@@ -33,7 +33,7 @@ def quantized_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory, quantized_dir):
     """exported(fmt, dtype=None, **recipe) -> (quantized folder, export folder), built once per recipe."""
-    from compress.export.dispatch import export
+    from compress.exporters.dispatch import export
 
     cache: dict[tuple, tuple[Path, Path]] = {}
 

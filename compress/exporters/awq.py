@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from compress.export.common import (Source, export_config, fp_linear_names, fp_tensors, is_ragged, save_safetensors,
+from compress.exporters.common import (Source, export_config, fp_linear_names, fp_tensors, is_ragged, save_safetensors,
                                     write_side_files, zeros_of)
-from compress.export.packing import awq_interleave, dense_pack
+from compress.exporters.packing import awq_interleave, dense_pack
 from compress.qlinear import QuantLinear
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from compress.checkpoint import load_quantized
-from compress.export.dispatch import export
+from compress.exporters.dispatch import export
 
 ct = pytest.importorskip("compressed_tensors")  # verification dependency (dev extra)
 

@@ -4,7 +4,7 @@ import torch
 from safetensors.torch import load_file
 
 from compress import gguf_dequant
-from compress.export.dispatch import export
+from compress.exporters.dispatch import export
 from compress.quant import Scheme
 from compress.shards import INDEX, shard_files
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.export.packing import AWQ_ORDER, awq_interleave, dense_pack, dense_unpack, pack_nibbles, unpack_nibbles
+from compress.exporters.packing import AWQ_ORDER, awq_interleave, dense_pack, dense_unpack, pack_nibbles, unpack_nibbles
 from compress.quant import pack
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from compress.checkpoint import load_quantized
-from compress.export.dispatch import export
-from compress.export.gguf import GGUFOptions
+from compress.exporters.dispatch import export
+from compress.exporters.gguf import GGUFOptions
 from compress.models import load_model
 from compress.quant import Scheme
 
@@ -74,7 +74,7 @@ def sentencepiece_tokenizer():
 
 
 def test_sentencepiece_vocabulary():
-    from compress.export.gguf_vocab import BYTE, CONTROL, NORMAL, UNKNOWN, vocab_of
+    from compress.exporters.gguf_vocab import BYTE, CONTROL, NORMAL, UNKNOWN, vocab_of
 
     tok = sentencepiece_tokenizer()
     v = vocab_of(tok, 270).values()

@@ -74,7 +74,7 @@ def gguf_names(module: str, arch: GGUFArch | None = None) -> tuple[str, ...]:
             return (f"blk.{i}.{names[rest]}",)
         if rest in SPLIT_NAMES:
             return tuple(f"blk.{i}.{n}" for n in SPLIT_NAMES[rest])
-    raise ValueError(f"no GGUF tensor name for {module!r}: compress/export/gguf_arch.py maps "
+    raise ValueError(f"no GGUF tensor name for {module!r}: compress/exporters/gguf_arch.py maps "
                      f"{', '.join(TOP_NAMES)} and model.layers.N.{{{', '.join(BLOCK_NAMES)}}}")
 
 

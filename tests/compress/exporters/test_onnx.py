@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from compress.checkpoint import load_quantized
-from compress.export.dispatch import export
-from compress.export.onnx_fp import input_names, output_names
-from compress.export.onnx_runner import OnnxCausalLM, greedy_generate, position_ids
+from compress.exporters.dispatch import export
+from compress.exporters.onnx_fp import input_names, output_names
+from compress.exporters.onnx_runner import OnnxCausalLM, greedy_generate, position_ids
 
 IDS = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
 

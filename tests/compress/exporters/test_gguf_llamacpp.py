@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.export.dispatch import export
-from compress.export.gguf import GGUFOptions
+from compress.exporters.dispatch import export
+from compress.exporters.gguf import GGUFOptions
 from compress.models import load_model
 from compress.quant import Scheme
 

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from tiny_models import byte_tokenizer, tiny_model
 
 from compress.checkpoint import load_quantized
-from compress.export.dispatch import FORMATS, export
-from compress.export.dtypes import choose, first_overflow
+from compress.exporters.dispatch import FORMATS, export
+from compress.exporters.dtypes import choose, first_overflow
 
 from compress.quant import Scheme
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from compress.export.common import (Source, export_config, fp_linear_names, fp_tensors, group_map, save_safetensors,
+from compress.exporters.common import (Source, export_config, fp_linear_names, fp_tensors, group_map, save_safetensors,
                                     write_side_files, zeros_of)
-from compress.export.packing import dense_pack
+from compress.exporters.packing import dense_pack
 from compress.qlinear import QuantLinear
 from compress.quant import Scheme
 

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli import EXPORT_FORMATS, main
-from compress.export.dispatch import FORMATS
+from compress.exporters.dispatch import FORMATS
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -19,8 +19,8 @@ def test_cli_lists_the_dispatch_formats_without_loading_an_exporter():
     help_text = "".join(CliRunner().invoke(main, ["export", "--help"]).output.split())
     assert all(name in help_text for name in FORMATS)
     # the CLI reads the list at import, and `compress --help` stays instant: no exporter, no torch
-    code = "import sys, cli; assert not [m for m in sys.modules if m == 'torch' or m.startswith('compress.export.')" \
-           " and m != 'compress.export.dispatch']"
+    code = "import sys, cli; assert not [m for m in sys.modules if m == 'torch' or m.startswith('compress.exporters.')" \
+           " and m != 'compress.exporters.dispatch']"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -47,7 +47,7 @@ def test_bad_flags_are_one_line_errors(quantized_dir, tmp_path, args, message):
 
 
 def test_failed_export_leaves_no_folder(quantized_dir, tmp_path, monkeypatch):
-    from compress.export import gptq
+    from compress.exporters import gptq
 
     def broken(source, folder, dtype):
         (folder / "model.safetensors").write_text("half written")

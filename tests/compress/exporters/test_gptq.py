@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from compress.checkpoint import load_quantized, quantized_modules
-from compress.export.dispatch import export
+from compress.exporters.dispatch import export
 
 
 def _unpack_rows(words: np.ndarray, bits: int) -> np.ndarray:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from compress.export.common import (Source, export_config, fp_linear_names, fp_tensors, is_ragged,
+from compress.exporters.common import (Source, export_config, fp_linear_names, fp_tensors, is_ragged,
                                     save_safetensors, write_side_files)
 from compress.qlinear import QuantLinear
 from compress.quant import Scheme, pack

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from compress.checkpoint import set_module
-from compress.export.common import Source, group_map, zeros_of
-from compress.export.onnx_fp import write_onnx
-from compress.export.packing import pack_nibbles, unpack_nibbles
+from compress.exporters.common import Source, group_map, zeros_of
+from compress.exporters.onnx_fp import write_onnx
+from compress.exporters.packing import pack_nibbles, unpack_nibbles
 from compress.qlinear import QuantLinear
 
 BLOCKS = (256, 128, 64, 32, 16)  # block sizes ONNX Runtime's CPU MatMulNBits accepts

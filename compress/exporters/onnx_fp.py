@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from compress.checkpoint import set_module
-from compress.export.common import Source, check_onnx_architecture, export_config, write_side_files
+from compress.exporters.common import Source, check_onnx_architecture, export_config, write_side_files
 from compress.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from compress.export import gguf_arch, gguf_quants
-from compress.export.common import Source, fp_tensors
+from compress.exporters import gguf_arch, gguf_quants
+from compress.exporters.common import Source, fp_tensors
 from compress.families import FAMILIES
 from compress.moe_packed import PackedLinears, PackedMoEExperts
 from compress.qlinear import QuantLinear
@@ -246,7 +246,7 @@ def write(source: Source, path: Path, dtype: torch.dtype, options: GGUFOptions) 
     """Write ``source`` as one GGUF file at ``path``."""
     import gguf
 
-    from compress.export.gguf_vocab import vocab_of
+    from compress.exporters.gguf_vocab import vocab_of
 
     model, config = source.model, source.model.config
     arch = gguf_arch.arch_of(source.model_type)

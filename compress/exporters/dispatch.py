@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from compress.export.common import Source
+    from compress.exporters.common import Source
     from compress.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -25,26 +25,26 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ExportFormat:
-    """The exporter compress/export/``module``.py writes a source into an empty folder (or, with ``suffix``, one
+    """The exporter compress/exporters/``module``.py writes a source into an empty folder (or, with ``suffix``, one
     file of that suffix) by ``write(source, out, dtype)`` (with ``options``: ``write(source, out, dtype, options)``,
     ``options`` naming the module's own options type, passed whole); its ``check(layer)``, where it has one, says
     why a layer cannot be carried (without one it carries any layer, dequantized). ``--dtype`` takes ``dtypes``;
     left out, it is the model's own where ``own_dtype`` (and in ``dtypes``), else ``default_dtype``
-    (compress/export/dtypes.py)."""
+    (compress/exporters/dtypes.py)."""
 
     module: str
     quantized_only: bool
     default_dtype: str
     suffix: str | None = None
     options: str | None = None
-    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")  # compress/export/dtypes.py DTYPES
+    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")  # compress/exporters/dtypes.py DTYPES
     own_dtype: bool = False
     family_step: str | None = None  # the step of compress/families.py that must handle the model type
     experts: bool = False  # carries packed MoE experts
     fp16_probe: bool = True  # float16 only after a float16 forward of the model stays finite
 
     def exporter(self) -> ModuleType:
-        return importlib.import_module(f"compress.export.{self.module}")
+        return importlib.import_module(f"compress.exporters.{self.module}")
 
     @property
     def check(self) -> Callable[[QuantLinear], str | None] | None:
@@ -126,8 +126,8 @@ def export(spec: str, fmt: str, out: str | Path, overwrite: bool = False, dtype:
            options: object | None = None) -> Path:
     """Export the model ``spec`` (a compress quantized folder, an HF folder or a model name) as ``fmt``."""
     from compress.checkpoint import atomic_dir
-    from compress.export import dtypes
-    from compress.export.common import load_source
+    from compress.exporters import dtypes
+    from compress.exporters.common import load_source
     from compress.families import require
     from compress.models import declared_dtype, resolve, source_config
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from compress.export import gguf_quants as gq
+from compress.exporters import gguf_quants as gq
 from compress.quant import Scheme, compute_qparams, dequantize, quantize
 
 gguf = pytest.importorskip("gguf")

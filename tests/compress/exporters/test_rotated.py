@@ -63,8 +63,8 @@ def test_runtime_serves_the_rotated_checkpoint_like_transformers(rotated):
 
 def test_gguf_export_of_the_rotated_checkpoint_reads_back_with_its_logits(rotated, tmp_path, monkeypatch):
     pytest.importorskip("gguf")
-    from compress.export.dispatch import export
-    from compress.export.gguf import GGUFOptions
+    from compress.exporters.dispatch import export
+    from compress.exporters.gguf import GGUFOptions
     from compress.models import load_model
 
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
@@ -79,8 +79,8 @@ def test_gguf_export_of_the_rotated_checkpoint_reads_back_with_its_logits(rotate
 @pytest.mark.slow  # the dynamo ONNX export takes ~20 s; the unrotated tiny exports are checked in the default run
 def test_onnx_export_of_the_rotated_checkpoint_runs_with_its_logits(rotated, tmp_path):
     pytest.importorskip("onnxruntime")
-    from compress.export.dispatch import export
-    from compress.export.onnx_runner import OnnxCausalLM, position_ids
+    from compress.exporters.dispatch import export
+    from compress.exporters.onnx_runner import OnnxCausalLM, position_ids
 
     q = rotated
     out = export(str(q), "onnx", tmp_path / "onnx")

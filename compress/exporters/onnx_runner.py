@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from compress.export.onnx_fp import MODEL_FILE
+from compress.exporters.onnx_fp import MODEL_FILE
 
 log = logging.getLogger(__name__)
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from compress.checkpoint import load_quantized
-from compress.export.dispatch import export
-from compress.export.gguf import GGUFOptions
+from compress.exporters.dispatch import export
+from compress.exporters.gguf import GGUFOptions
 from compress.quant import Scheme
 
 from .gguf_models import CHAT_TEMPLATE, DENSE, MOE, VOCAB, build, rope_interleave
@@ -183,7 +183,7 @@ def test_unsupported_architecture_is_refused_naming_the_supported(tmp_path, monk
 
 
 def test_one_file_kept_unless_overwrite_and_never_half_written(checkpoint, tmp_path, monkeypatch):
-    from compress.export import gguf as gguf_export
+    from compress.exporters import gguf as gguf_export
 
     src, out = checkpoint("llama"), tmp_path / "m.gguf"
     _export(src, out)
@@ -233,7 +233,7 @@ def test_recipes_say_which_gguf_type_they_export_to_losslessly():
 
 
 def test_act_order_folds_when_every_block_lies_in_one_group():
-    from compress.export.gguf import encode_exact, why_not
+    from compress.exporters.gguf import encode_exact, why_not
     from compress.quant import QuantizedWeight, compute_qparams, quantize
 
     s = Scheme(4, 32, sym=True)
