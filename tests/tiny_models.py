@@ -3,9 +3,11 @@ import contextlib
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "mistral", "gemma", "qwen3")
-# families whose every step is being brought up (issue 15); each moves into FAMILIES once it passes the chain
-NEW_FAMILIES = ("gemma2", "gemma3_text", "phi3", "olmo2", "granite")
+# the dense families: Llama-shaped blocks, then the ones whose blocks differ beyond the table's data (sandwich or
+# post norms, soft-capping, fused projections, multipliers), which tests of those features take on their own
+LLAMA_LIKE = ("llama", "qwen2", "mistral", "gemma", "qwen3")
+BLOCK_VARIANTS = ("gemma2", "gemma3_text", "phi3", "olmo2", "granite")
+FAMILIES = LLAMA_LIKE + BLOCK_VARIANTS
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # 4 experts, top-2
 NUM_EXPERTS = 4
 

@@ -8,13 +8,13 @@ import copy
 
 import pytest
 import torch
-from tiny_models import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, one_thread, quantize_tiny, tiny_config, token_batches
+from tiny_models import FAMILIES, MOE_FAMILIES, one_thread, quantize_tiny, tiny_config, token_batches
 
 from compress.families import FAMILIES as TABLE
 from compress.families import supports
 from compress.moe_packed import PackedMoEExperts
 
-DENSE = FAMILIES + NEW_FAMILIES
+DENSE = FAMILIES
 RECIPES = ("rtn4", "gptq4", "awq4")
 IDS = token_batches(2, 12, seed=1)[0]
 

@@ -2,7 +2,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import FAMILIES as TINY, MOE_FAMILIES, NEW_FAMILIES, tiny_config
+from tiny_models import FAMILIES as TINY, MOE_FAMILIES, tiny_config
 
 from compress import gqa
 from compress.checkpoint import build_quantization_config, load_quantized, save_quantized
@@ -13,7 +13,7 @@ from compress.qlinear import QuantLinear
 from compress.train import evaluate_kl
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "granite")
-ALL = TINY + NEW_FAMILIES + MOE_FAMILIES  # phi3 (fused qkv_proj), olmo2 and olmoe (k_norm over all heads): refused
+ALL = TINY + MOE_FAMILIES  # phi3 (fused qkv_proj), olmo2 and olmoe (k_norm over all heads): refused
 
 
 def _model(family, heads=8, kv=8, seed=0):

@@ -34,7 +34,8 @@ def test_every_method_on_every_family(family, method, tmp_path):
     cfg = QuantizeConfig.from_flat(**METHODS[method])
     quantize_model(model, cfg, _batches())
     qmods = quantized_modules(model)
-    assert len(qmods) == 7 * model.config.num_hidden_layers  # q k v o gate up down per block
+    per_block = 4 if family == "phi3" else 7  # q k v o gate up down per block; Phi-3 fuses qkv and gate_up
+    assert len(qmods) == per_block * model.config.num_hidden_layers
     assert not any(isinstance(m, torch.nn.Linear) and "layers" in n for n, m in model.named_modules())
     ids = _batches(seed=1)[0]
     with torch.no_grad():

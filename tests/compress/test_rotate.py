@@ -2,7 +2,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, tiny_model, loud_channels
+from tiny_models import FAMILIES, MOE_FAMILIES, tiny_model, loud_channels
 
 from compress.calibrate import decoder_layers
 from compress.families import supports
@@ -25,7 +25,7 @@ def _assert_same_function(base, rotated, vocab=256):
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()  # fp32 rounding of a different summation order
 
 
-ALL = FAMILIES + NEW_FAMILIES + MOE_FAMILIES
+ALL = FAMILIES + MOE_FAMILIES
 
 
 @pytest.mark.parametrize("family", [f for f in ALL if supports(f, "rotate")])

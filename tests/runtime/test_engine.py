@@ -10,9 +10,9 @@ from runtime.engine import Engine
 from runtime.kernels import w8a8
 from runtime.sequence import SamplingParams
 from tiny_engine import hf_greedy, prompts, save_tiny
-from tiny_models import FAMILIES, MOE_FAMILIES, NEW_FAMILIES
+from tiny_models import BLOCK_VARIANTS, FAMILIES, MOE_FAMILIES
 
-DENSE = FAMILIES + NEW_FAMILIES  # NEW_FAMILIES: issue 15's bring-up (sandwich/post norms, soft-capping, multipliers)
+DENSE = FAMILIES
 N_NEW = 12
 GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
 
@@ -256,7 +256,7 @@ def rtn4_folder(hf, path) -> None:
     save_quantized(hf, None, path, build_quantization_config(hf, "rtn", scheme))
 
 
-@pytest.mark.parametrize("family", NEW_FAMILIES)
+@pytest.mark.parametrize("family", BLOCK_VARIANTS)
 def test_new_families_torch_ops_path_and_logits(tiny_dirs, family):
     """The torch reference ops give transformers' greedy tokens too (the default path runs the fused CPU kernels),
     and the first step's logits equal transformers' (greedy tokens cannot see Gemma 2's final soft-capping or
@@ -277,7 +277,7 @@ def test_new_families_torch_ops_path_and_logits(tiny_dirs, family):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("family", NEW_FAMILIES)
+@pytest.mark.parametrize("family", BLOCK_VARIANTS)
 def test_rtn4_checkpoint_matches_transformers(tmp_path, family, fused):
     """An rtn4 folder of each new family (Phi-3's fused qkv_proj and gate_up_proj quantized as stored) served with
     dequantized weights gives the greedy tokens of transformers running the same QuantLinears, across the windows."""

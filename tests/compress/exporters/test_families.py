@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, one_thread, quantize_tiny
+from tiny_models import BLOCK_VARIANTS, FAMILIES, MOE_FAMILIES, one_thread, quantize_tiny
 
 from compress.checkpoint import load_quantized, quantized_modules
 from compress.exporters.dispatch import export
@@ -20,7 +20,7 @@ from .test_gptq import reference_dequantize as gptq_dequantize
 
 ct = pytest.importorskip("compressed_tensors")  # verification dependency (dev extra)
 
-DENSE = FAMILIES + NEW_FAMILIES
+DENSE = FAMILIES
 IDS = torch.randint(0, 256, (2, 18), generator=torch.Generator().manual_seed(2))  # past gemma's window of 8
 
 
@@ -104,7 +104,7 @@ def test_gptq_and_awq_exports_decode_to_our_logits(folder, family, tmp_path):
 
 
 # each export traces the whole model (~5-10 s here); every family in the default run, as issue 15 asks
-@pytest.mark.parametrize("family", [f for f in NEW_FAMILIES if supports(f, "onnx")])
+@pytest.mark.parametrize("family", [f for f in BLOCK_VARIANTS if supports(f, "onnx")])
 def test_onnx_int4_runs_the_family_with_its_cache(folder, family, tmp_path):
     """Prompt, then a cache step: the same logits as one pass of the quantized torch model (MatMulNBits' fp32
     accumulation order aside), across gemma's sliding window (8 tokens) and its global layers."""
