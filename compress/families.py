@@ -10,6 +10,7 @@ soft-capping, rotary parameters, multipliers) stay in that config; this table sa
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -143,6 +144,12 @@ class Family:
     onnx: bool = False  # the ONNX exporters trace it
     gguf: GGUFArch | None = None  # llama.cpp's architecture
     runtime: bool = True  # a native runtime model (else served through transformers' modeling code, slower)
+    refused: tuple[tuple[str, str], ...] = ()  # (step, why the family cannot take it), for the error
+
+    def why_not(self, step: str) -> str:
+        if step == "rotate" and self.smooth is not None and self.smooth.no_rotation:
+            return self.smooth.no_rotation
+        return dict(self.refused).get(step, "")
 
     def __post_init__(self):
         if self.norms not in NORMS:
@@ -151,6 +158,9 @@ class Family:
             raise ValueError("the smoothing map's norm_offset disagrees with the family's")
 
 
+_K_NORM_ALL_HEADS = "its k_norm spans all KV heads at once (width K x head_dim), so pooled heads cannot keep it exact"
+_MOE_ONNX = ("torch's ONNX exporter has no function for transformers' grouped_mm experts, and onnx-int4 no op for "
+             "packed experts")
 _STD = AttnLayout()
 _QK_NORM = AttnLayout(rope_keys=False)
 _GEMMA = dict(norm_offset=1.0, embed_scale=True, default_act="gelu_pytorch_tanh")
@@ -180,13 +190,12 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family(**_GEMMA, norms="sandwich", qk_norm="head", smooth=GEMMA2, attn=_QK_NORM, onnx=True,
                           gguf=_GEMMA3_GGUF),
     "phi3": Family(fused_proj=True, smooth=PHI3, onnx=True, gguf=GGUFArch("phi3", False, names=(
-        ("self_attn.qkv_proj", "attn_qkv"), ("mlp.gate_up_proj", "ffn_up")))),
-    # OLMo 2 normalizes k over all KV heads at once (k_norm of width K * head_dim): no exact KV pooling
+        ("self_attn.qkv_proj", "attn_qkv"), ("mlp.gate_up_proj", "ffn_up"))),
+        refused=(("gqa", "its keys and values are rows of the fused qkv_proj, which the conversion does not split"),)),
     "olmo2": Family(norms="post", qk_norm="proj", smooth=OLMO2, onnx=True, gguf=GGUFArch("olmo2", False, names=(
-        ("post_attention_layernorm", "post_attention_norm"), ("post_feedforward_layernorm", "post_ffw_norm")))),
+        ("post_attention_layernorm", "post_attention_norm"), ("post_feedforward_layernorm", "post_ffw_norm"))),
+        refused=(("gqa", _K_NORM_ALL_HEADS),)),
     "granite": Family(multipliers=True, smooth=LLAMA, attn=_STD, onnx=True, gguf=_GRANITE_GGUF),
-    # MoE families: onnx=False, the dynamo exporter has no ONNX function for transformers' grouped_mm experts
-    # (and onnx-int4 no op for packed experts)
     "mixtral": Family(moe=MoEArch(intermediate_key="intermediate_size", always_renormalize=True, fp32_weights=True,
                                   legacy_block="block_sparse_moe", legacy_names=("w1", "w3", "w2")),
                       smooth=MOE, attn=_STD, experts=ExpertLayout(), gguf=GGUFArch("llama", True)),
@@ -195,8 +204,11 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(qk_norm="head", moe=_QWEN_MOE, smooth=MOE, attn=_QK_NORM, experts=ExpertLayout(),
                         gguf=GGUFArch("qwen3moe", False)),
     "olmoe": Family(qk_norm="proj", moe=MoEArch(intermediate_key="intermediate_size"), smooth=MOE,
-                    experts=ExpertLayout()),
+                    experts=ExpertLayout(), refused=(("gqa", _K_NORM_ALL_HEADS), ("onnx", _MOE_ONNX),
+                                                     ("gguf", "its GGUF tensor names are not mapped yet"))),
 }
+for _t in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    FAMILIES[_t] = dataclasses.replace(FAMILIES[_t], refused=(("onnx", _MOE_ONNX),))
 
 # step -> (the part of a Family it needs, what it is called in errors)
 STEPS = {
@@ -204,7 +216,7 @@ STEPS = {
     "rotate": ("rotate", "rotation folding (rotate: hadamard)"),
     "gqa": ("attn", "KV-head conversion (kv_heads)"),
     "moe": ("experts", "mixture-of-experts packing"),
-    "onnx": ("onnx", "the ONNX exports (--format onnx, onnx-int4)"),
+    "onnx": ("onnx", "the ONNX export (--format onnx, onnx-int4)"),
     "gguf": ("gguf", "the GGUF export (--format gguf)"),
     "runtime": ("runtime", "the runtime's native models"),
 }
@@ -236,6 +248,7 @@ def require(model_type: str, step: str, why: str = "") -> Family:
     """The family's entry when ``step`` handles it; else one ValueError naming the family, the step and
     the families it does handle (``why``: the family's own reason, when it has one)."""
     if not supports(model_type, step):
+        why = why or (FAMILIES[model_type].why_not(step) if model_type in FAMILIES else "")
         reason = f" ({why})" if why else ""
         raise ValueError(f"{STEPS[step][1]} does not handle model_type {model_type!r}{reason}; "
                          f"supported: {', '.join(supported(step))}")
