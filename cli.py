@@ -32,10 +32,6 @@ def main(verbose: bool):
 
 
 # --- quantize / recipes --------------------------------------------------------------------------
-def _mb(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
 @main.command()
 @click.option("--recipe", default="awq4", show_default=True, help="Recipe name (see `compress recipes`) or a YAML path.")
 @click.option("--model", "model_spec", default="smollm2-135m", show_default=True,
@@ -118,26 +114,8 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
                            train_progress=train_progress, **overrides)
     finally:
         bar.close()
-    notes = res.report.notes
-    if "gqa" in notes:
-        g = notes["gqa"]
-        click.echo(f"kv heads: {g['kv_heads_before']} -> {g['kv_heads_after']}, KV cache "
-                   f"{g['kv_bytes_per_token_before']:,} -> {g['kv_bytes_per_token_after']:,} bytes/token (fp16)"
-                   + (f", attention fit error {g['fit_error_before']:.3f} -> {g['fit_error_after']:.3f}"
-                      if "fit_error_before" in g else "")
-                   + (f", uptraining KL {g['uptrain_loss_first']:.4f} -> {g['uptrain_loss_last']:.4f}"
-                      if "uptrain_loss_first" in g else ""))
-    if "qat" in notes:
-        q = notes["qat"]
-        click.echo(f"qat: {q['steps']} steps from {q['init']}, KL {q['loss_first']:.4f} -> {q['loss_last']:.4f} "
-                   f"in {q['train_seconds']:.0f} s")
-    click.echo(f"size: {_mb(res.fp_bytes)} (fp) -> {_mb(res.out_bytes)} ({res.fp_bytes / max(res.out_bytes, 1):.2f}x smaller)")
-    click.echo(f"time: {res.seconds:.1f} s (quantization {res.report.seconds:.1f} s), peak memory {_mb(res.peak_rss_bytes)}"
-               + (f" (estimate {_mb(res.memory['estimate_bytes'])})" if "estimate_bytes" in res.memory else ""))
-    if res.streamed:
-        m = res.memory
-        click.echo(f"streamed: one block at a time, largest {_mb(m['largest_block_bytes'])} (fp32), "
-                   f"{m['seconds_per_block']:.1f} s per block")
+    for line in res.lines():
+        click.echo(line)
     click.echo(f"wrote {res.out}")
     if json_path:
         import dataclasses

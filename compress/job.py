@@ -29,6 +29,35 @@ class QuantizeSummary:
     streamed: bool = False
     memory: dict = field(default_factory=dict)  # the estimate, and the largest block held (streamed)
 
+    def lines(self) -> list[str]:
+        """What a person reads after a run: KV heads, QAT, size, time and memory, streaming."""
+        notes, out = self.report.notes, []
+        if "gqa" in notes:
+            g = notes["gqa"]
+            out.append(f"kv heads: {g['kv_heads_before']} -> {g['kv_heads_after']}, KV cache "
+                       f"{g['kv_bytes_per_token_before']:,} -> {g['kv_bytes_per_token_after']:,} bytes/token (fp16)"
+                       + (f", attention fit error {g['fit_error_before']:.3f} -> {g['fit_error_after']:.3f}"
+                          if "fit_error_before" in g else "")
+                       + (f", uptraining KL {g['uptrain_loss_first']:.4f} -> {g['uptrain_loss_last']:.4f}"
+                          if "uptrain_loss_first" in g else ""))
+        if "qat" in notes:
+            q = notes["qat"]
+            out.append(f"qat: {q['steps']} steps from {q['init']}, KL {q['loss_first']:.4f} -> {q['loss_last']:.4f} "
+                       f"in {q['train_seconds']:.0f} s")
+        out.append(f"size: {_mb(self.fp_bytes)} (fp) -> {_mb(self.out_bytes)} "
+                   f"({self.fp_bytes / max(self.out_bytes, 1):.2f}x smaller)")
+        out.append(f"time: {self.seconds:.1f} s (quantization {self.report.seconds:.1f} s), peak memory "
+                   f"{_mb(self.peak_rss_bytes)}" + (f" (estimate {_mb(self.memory['estimate_bytes'])})"
+                                                    if "estimate_bytes" in self.memory else ""))
+        if self.streamed:
+            out.append(f"streamed: one block at a time, largest {_mb(self.memory['largest_block_bytes'])} (fp32), "
+                       f"{self.memory['seconds_per_block']:.1f} s per block")
+        return out
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
 
 def peak_rss() -> int:
     """Peak resident memory of this process image (VmHWM: unlike ru_maxrss, not inherited across exec)."""
