@@ -272,21 +272,23 @@ KV_CACHE_DTYPE = click.option(
 @click.argument("model_spec", metavar="MODEL")
 @click.option("--prompt", required=True, help="Text to continue.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--dtype", default="auto", show_default=True, help="Compute dtype, as `compress serve` takes it.")
 @KV_CACHE_DTYPE
-def generate_cmd(model_spec, prompt, max_new_tokens, kv_cache_dtype):
-    """Greedy continuation of PROMPT by a model name, HF/quantized folder or exported ONNX folder."""
-    from compress.exporters.onnx_runner import greedy_generate, load_causal_lm
+def generate_cmd(model_spec, prompt, max_new_tokens, dtype, kv_cache_dtype):
+    """Greedy continuation of PROMPT: through the serving engine with serve's defaults (so `compress serve` answers
+    a temperature-0 request with the same text), or through ONNX Runtime for an exported ONNX folder."""
+    from compress.exporters.onnx_runner import greedy_generate, is_onnx_folder, load_causal_lm
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} must be at least 1")
-    if kv_cache_dtype != "auto":  # an 8-bit KV cache lives in the serving engine (runtime/)
-        from runtime.config import EngineConfig
-        from runtime.engine import Engine
-        from runtime.sequence import SamplingParams
+    if not is_onnx_folder(model_spec):
+        from runtime import LLM, SamplingParams
 
-        engine = Engine(EngineConfig(model=model_spec, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 28))
-        click.echo(engine.generate([prompt], SamplingParams(max_tokens=max_new_tokens))[0].text)
+        llm = LLM(model_spec, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 28)
+        click.echo(llm.generate([prompt], SamplingParams(max_tokens=max_new_tokens))[0].text)
         return
+    if dtype != "auto" or kv_cache_dtype != "auto":
+        raise ValueError("--dtype and --kv-cache-dtype apply to the serving engine, not to an ONNX export")
     model, tokenizer = load_causal_lm(model_spec)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     out = greedy_generate(model, ids, max_new_tokens)
