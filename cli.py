@@ -63,9 +63,11 @@ def main(verbose: bool):
 @click.option("--stream/--no-stream", default=None,
               help="Hold one decoder block in memory at a time [default: wherever the method and source allow].")
 @click.option("--max-memory", default=None, help="Refuse up front when the memory estimate exceeds this, e.g. 8GB.")
+@click.option("--offload-activations/--no-offload-activations", default=None,
+              help="Keep the calibration activations on disk [default: only when they would not fit in memory].")
 def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size, sym, act_order, seed, kv_heads,
              kv_init, kv_fit_steps, uptrain_steps, steps, lr, qat_init, rotate, overwrite, trust_remote_code, allow_pickle,
-             json_path, stream, max_memory):
+             json_path, stream, max_memory, offload_activations):
     """Quantize MODEL with a recipe into a packed checkpoint folder."""
     import signal
     from pathlib import Path
@@ -110,6 +112,7 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
 
     try:
         res = api.quantize(model_spec, recipe, out, overwrite=overwrite, stream=stream, max_memory=max_memory,
+                           offload_activations=offload_activations,
                            trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, progress=progress,
                            train_progress=train_progress, **overrides)
     finally:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 
 def quantize(model: str, recipe: str = "awq4", out: str | Path | None = None, *, overwrite: bool = False,
-             stream: bool | None = None, max_memory: int | str | None = None, trust_remote_code: bool = False,
+             stream: bool | None = None, max_memory: int | str | None = None,
+             offload_activations: bool | None = None, trust_remote_code: bool = False,
              allow_pickle: bool = False, progress: Callable[[int, int], None] | None = None,
              train_progress: Callable[[int, int, float], None] | None = None, **overrides):
     """Quantize ``model`` (an embedded name, an HF folder or a .gguf file) with ``recipe`` (a bundled name or a
@@ -35,7 +36,7 @@ def quantize(model: str, recipe: str = "awq4", out: str | Path | None = None, *,
     if isinstance(max_memory, str):
         max_memory = parse_size(max_memory)
     return quantize_to_folder(model, cfg, str(out), overwrite, Path(recipe).stem, progress, trust_remote_code,
-                              allow_pickle, train_progress, stream, max_memory)
+                              allow_pickle, train_progress, stream, max_memory, offload_activations)
 
 
 def evaluate(model: str, baseline: str | None = None, ppl: Iterable[str] = ("wiki",), tasks: Iterable[str] = (),

@@ -14,12 +14,14 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from compress.checkpoint import set_module
 from compress.mappings import KEEP_FP
+from compress.offload import DiskTensors, empty_like
 from compress.qlinear import QuantLinear
 from compress.quant import QuantizedWeight
 
@@ -43,7 +45,7 @@ class BlockInputs:
     @torch.inference_mode()
     def forward(self, block: nn.Module) -> list[Tensor]:
         """Run ``block`` on every batch; returns its output hidden states."""
-        outs = []
+        outs = empty_like(self.hidden)
         with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
             for h, kw in zip(self.hidden, self.kwargs):
                 out = block(h, **kw)
@@ -88,11 +90,12 @@ def _drop_cache_kwargs(kwargs: dict) -> dict:
 
 
 @torch.inference_mode()
-def capture_inputs(model: nn.Module, batches: list[Tensor]) -> BlockInputs:
-    """Hidden states and kwargs entering the first decoder block, for each batch of token ids."""
+def capture_inputs(model: nn.Module, batches: list[Tensor], offload: Path | None = None) -> BlockInputs:
+    """Hidden states and kwargs entering the first decoder block, for each batch of token ids (the hidden states
+    written to disk under ``offload`` as they come, when given)."""
     layers = decoder_layers(model)
     first = layers[0]
-    captured = BlockInputs([], [])
+    captured = BlockInputs([] if offload is None else DiskTensors(offload), [])
 
     def hook(module, args, kwargs):
         hidden = args[0] if args else kwargs.pop("hidden_states")
@@ -125,7 +128,11 @@ PerBlock = Callable[[int, nn.Module, BlockInputs], None]
 
 class BlockStore:
     """Where the decoder blocks' weights live. This one: in the model already (nothing to do);
-    compress/stream.py's streams each block in from disk before its turn and out after it."""
+    compress/stream.py's streams each block in from disk before its turn and out after it. ``offload``: a folder
+    where the calibration activations live instead of memory (compress/offload.py)."""
+
+    def __init__(self, offload: Path | None = None):
+        self.offload = offload
 
     def load(self, i: int, block: nn.Module) -> None:
         pass
@@ -134,7 +141,7 @@ class BlockStore:
         pass
 
     def capture(self, model: nn.Module, batches: list[Tensor]) -> BlockInputs:
-        return capture_inputs(model, batches)
+        return capture_inputs(model, batches, self.offload)
 
 
 IN_MEMORY = BlockStore()

@@ -7,12 +7,14 @@ the whole fp32 model, for what needs it (QAT, GQA conversion, rotations, a quant
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from compress.config import QuantizeConfig
-from compress.memory import check, plan
+from compress.calibrate import BlockStore
+from compress.memory import check, plan_offload
 from compress.pipeline import Progress, QuantizeReport, TrainProgress, quantize_model
 
 STREAM_METHODS = ("rtn", "nf4", "gptq", "awq")
@@ -49,6 +51,8 @@ class QuantizeSummary:
         out.append(f"time: {self.seconds:.1f} s (quantization {self.report.seconds:.1f} s), peak memory "
                    f"{_mb(self.peak_rss_bytes)}" + (f" (estimate {_mb(self.memory['estimate_bytes'])})"
                                                     if "estimate_bytes" in self.memory else ""))
+        if self.memory.get("activations_offloaded"):
+            out.append("activations: on disk beside the output, one batch in memory at a time")
         if self.streamed:
             out.append(f"streamed: one block at a time, largest {_mb(self.memory['largest_block_bytes'])} (fp32), "
                        f"{self.memory['seconds_per_block']:.1f} s per block")
@@ -134,7 +138,7 @@ def _quantization_config(model, cfg: QuantizeConfig, calibration: dict, recipe: 
                                                          "config": cfg.to_dict()})
 
 
-def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max_memory):
+def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max_memory, offload):
     from compress.checkpoint import atomic_dir
     from compress.models import load_tokenizer
     from compress.shards import ShardReader
@@ -142,52 +146,60 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
 
     folder = stream_folder(src, trust_remote_code)
     model = skeleton(folder, trust_remote_code)
-    estimate = plan(model, cfg, streamed=True)
+    estimate, offloaded = plan_offload(model, cfg, True, max_memory, offload)
     check(estimate, max_memory, f"streaming {src.name} with {cfg.method}")
     reader = ShardReader(folder)
     fp_bytes = sum(math.prod(e.shape) for e in reader.entries.values()) * 4  # the source's parameters in fp32
     tokenizer = load_tokenizer(src, trust_remote_code)
     batches, calibration = _calibration(cfg, tokenizer)
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        store = StreamedBlocks(model, reader, tmp)
+        store = StreamedBlocks(model, reader, tmp, _offload_dir(out) if offloaded else None)
         report = quantize_model(model, cfg, batches, progress, store=store)
         store.finish()
         write_side_files(model, folder, tokenizer, tmp, _quantization_config(model, cfg, calibration, recipe, src))
     blocks = store.stats.block_seconds
     memory = {"estimate_bytes": estimate.peak, "largest_block_bytes": store.stats.block_bytes,
-              "seconds_per_block": sum(blocks) / max(len(blocks), 1)}
+              "seconds_per_block": sum(blocks) / max(len(blocks), 1), "activations_offloaded": offloaded}
     return report, fp_bytes, memory, estimate
 
 
 def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_remote_code, allow_pickle, train_progress,
-               max_memory):
+               max_memory, offload):
     from compress.checkpoint import save_quantized
     from compress.models import load_model
     from compress.shards import ShardReader
     from compress.stream import outer_dtypes, skeleton
 
-    estimate, dtypes = None, None
+    estimate, dtypes, offloaded = None, None, bool(offload)
     if not src.gguf_file and not src.quantized and any(src.path.glob("*.safetensors")):
         skel = skeleton(src.path, trust_remote_code)
-        estimate = plan(skel, cfg, streamed=False)
+        estimate, offloaded = plan_offload(skel, cfg, False, max_memory, offload)
         check(estimate, max_memory, f"{cfg.method} on {src.name} (the whole model in memory)")
         dtypes = outer_dtypes(skel, ShardReader(src.path))
     model, tokenizer, src = load_model(model_spec, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     fp_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     batches, calibration = _calibration(cfg, tokenizer)
-    report = quantize_model(model, cfg, batches, progress, train_progress)
+    store = BlockStore(_offload_dir(out) if offloaded else None)
+    report = quantize_model(model, cfg, batches, progress, train_progress, store)
     save_quantized(model, tokenizer, out, _quantization_config(model, cfg, calibration, recipe, src),
                    overwrite=overwrite, dtypes=dtypes)
-    return report, fp_bytes, ({"estimate_bytes": estimate.peak} if estimate else {}), estimate
+    memory = {"estimate_bytes": estimate.peak} if estimate else {}
+    return report, fp_bytes, {**memory, "activations_offloaded": offloaded}, estimate
+
+
+def _offload_dir(out) -> Path:
+    """Where offloaded activations go: beside the output folder (one filesystem; /tmp may be memory)."""
+    return Path(out).parent / f".{Path(out).name}.activations"
 
 
 def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite: bool = False,
                        recipe: str | None = None, progress: Progress | None = None,
                        trust_remote_code: bool = False, allow_pickle: bool = False,
                        train_progress: TrainProgress | None = None, stream: bool | None = None,
-                       max_memory: int | None = None) -> QuantizeSummary:
+                       max_memory: int | None = None, offload_activations: bool | None = None) -> QuantizeSummary:
     """Quantize ``model_spec`` with ``cfg`` into ``out``. ``stream``: None streams where the method and the
-    source allow it, True insists (an error says why not), False loads the whole model."""
+    source allow it, True insists (an error says why not), False loads the whole model. ``offload_activations``:
+    the calibration activations on disk beside ``out``; None: only when the run would not fit otherwise."""
     from compress.models import resolve
 
     if Path(out).exists() and not overwrite:  # fail before any heavy work
@@ -198,11 +210,15 @@ def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite
     reason = why_not_streamed(src, cfg)
     if stream and reason:
         raise ValueError(f"cannot stream {src.name}: {reason}; drop --stream")
-    if stream is not False and reason is None:
-        report, fp_bytes, memory, _ = _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code,
-                                                max_memory)
-    else:
-        report, fp_bytes, memory, _ = _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_remote_code,
-                                                 allow_pickle, train_progress, max_memory)
+    try:
+        if stream is not False and reason is None:
+            report, fp_bytes, memory, _ = _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code,
+                                                    max_memory, offload_activations)
+        else:
+            report, fp_bytes, memory, _ = _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress,
+                                                     trust_remote_code, allow_pickle, train_progress, max_memory,
+                                                     offload_activations)
+    finally:
+        shutil.rmtree(_offload_dir(out), ignore_errors=True)
     return QuantizeSummary(str(out), report, fp_bytes, _size(Path(out)), time.perf_counter() - t0, peak_rss(),
                            streamed=stream is not False and reason is None, memory=memory)

@@ -72,8 +72,9 @@ class MemoryPlan:
         return f"about {gib(self.peak)} ({', '.join(parts)}, process {gib(BASE_BYTES)})"
 
 
-def plan(model: nn.Module, cfg, streamed: bool) -> MemoryPlan:
-    """The estimate for quantizing ``model`` (a meta skeleton is enough) with ``cfg``."""
+def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> MemoryPlan:
+    """The estimate for quantizing ``model`` (a meta skeleton is enough) with ``cfg`` (``offload``: the calibration
+    activations on disk, one batch in memory at a time)."""
     from compress.calibrate import decoder_layers
 
     layers = decoder_layers(model)
@@ -83,7 +84,7 @@ def plan(model: nn.Module, cfg, streamed: bool) -> MemoryPlan:
     calib = cfg.needs_calibration
     hidden = model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config") \
         else model.config.hidden_size
-    tokens = cfg.nsamples * cfg.seqlen if calib else 0
+    tokens = (min(cfg.batch_size, cfg.nsamples) if offload else cfg.nsamples) * cfg.seqlen if calib else 0
     activations = 3 * tokens * hidden * 4  # a block's inputs, its outputs, and one batch's intermediates
     statistics = 0
     if cfg.gptq_rounding:
@@ -99,6 +100,23 @@ def plan(model: nn.Module, cfg, streamed: bool) -> MemoryPlan:
     return MemoryPlan(whole + block, activations, statistics, training)
 
 
+def fits(p: MemoryPlan, max_memory: int | None) -> bool:
+    limit = max_memory if max_memory is not None else available_bytes()
+    return limit is None or p.peak <= limit
+
+
+def plan_offload(model: nn.Module, cfg, streamed: bool, max_memory: int | None,
+                 offload: bool | None) -> tuple[MemoryPlan, bool]:
+    """The estimate, and whether the calibration activations go to disk: as ``offload`` says, or (None) exactly
+    when the run fits only with them there."""
+    if not cfg.needs_calibration or cfg.method == "qat":  # QAT trains on token batches, not stored activations
+        return plan(model, cfg, streamed), False
+    held = plan(model, cfg, streamed)
+    if offload is None:
+        offload = not fits(held, max_memory) and fits(plan(model, cfg, streamed, offload=True), max_memory)
+    return (plan(model, cfg, streamed, offload=True) if offload else held), offload
+
+
 def check(p: MemoryPlan, max_memory: int | None, what: str) -> None:
     """Refuse before any work when the estimate exceeds ``--max-memory`` or what the machine has free."""
     avail = available_bytes()
@@ -107,4 +125,5 @@ def check(p: MemoryPlan, max_memory: int | None, what: str) -> None:
                           "raise --max-memory, or lower --nsamples/--seqlen")
     if max_memory is None and avail is not None and p.peak > avail:
         raise MemoryError(f"{what} needs {p.describe()}, and this machine has {gib(avail)} free; "
-                          "free memory, lower --nsamples/--seqlen, or use a streaming method (rtn, gptq, awq)")
+                          "free memory, lower --nsamples/--seqlen, --offload-activations, or use a streaming "
+                          "method (rtn, gptq, awq)")

@@ -106,7 +106,8 @@ class StreamStats:
 class StreamedBlocks(BlockStore):
     """Decoder blocks streamed from ``reader``'s shards into ``model`` and out to shards in ``out``."""
 
-    def __init__(self, model: nn.Module, reader: ShardReader, out: Path):
+    def __init__(self, model: nn.Module, reader: ShardReader, out: Path, offload: Path | None = None):
+        super().__init__(offload)
         self.model, self.reader, self.out = model, reader, out
         self.prefix = layers_prefix(model)
         n = len(decoder_layers(model))
@@ -165,7 +166,7 @@ class StreamedBlocks(BlockStore):
         full = emb.weight
         emb.weight = nn.Parameter(torch.cat(rows), requires_grad=False)
         try:
-            return capture_inputs(model, [torch.searchsorted(ids, b) for b in batches])
+            return capture_inputs(model, [torch.searchsorted(ids, b) for b in batches], self.offload)
         finally:
             emb.weight = full
 
