@@ -85,9 +85,6 @@ def ours(recipe: str, tokens: dict, args) -> dict:
 def llmc(method: str, fp_dir: Path, tok_path: Path, nsamples: int = 0) -> dict:
     js = RUNS / f"llmc-{method}.json"
     py = ROOT / ".venv-llmc/bin/python"
-    if not py.exists():
-        raise SystemExit("llm-compressor venv missing: python3 -m venv .venv-llmc && "
-                         ".venv-llmc/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1")
     subprocess.run([str(py), str(Path(__file__).parent / "llmc_quant.py"), "--model", str(fp_dir), "--tokens",
                     str(tok_path), "--method", method, "--nsamples", str(nsamples), "--json", str(js)], check=True,
                    stdout=subprocess.DEVNULL)
@@ -129,6 +126,9 @@ def main():
     ap.add_argument("--limit", type=int, default=500)
     ap.add_argument("--windows", type=int, default=64)
     args = ap.parse_args()
+    if args.llmc and not (ROOT / ".venv-llmc/bin/python").exists():  # before any work, not after our rows
+        raise SystemExit("llm-compressor venv missing (or pass --llmc ''): python3 -m venv .venv-llmc && "
+                         ".venv-llmc/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1")
     RUNS.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     fp_dir, tok_path, base = prepare(args)
