@@ -14,6 +14,9 @@ def pytest_configure(config):
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    # the models here are tiny: a thread pool costs more than it saves on them (tests of threaded kernels set
+    # their own counts); COMPRESS_TEST_THREADS overrides
+    torch.set_num_threads(int(os.environ.get("COMPRESS_TEST_THREADS", "1")))
 
 
 @pytest.fixture(scope="session")
