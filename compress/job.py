@@ -204,6 +204,9 @@ def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite
 
     if Path(out).exists() and not overwrite:  # fail before any heavy work
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+    if offload_activations and cfg.method == "qat":
+        raise ValueError("--offload-activations applies to the layer-by-layer methods; qat trains on token batches "
+                         "and stores no activations: drop it")
     t0 = time.perf_counter()
     src = resolve(model_spec)
     preflight(src, cfg, trust_remote_code)

@@ -72,3 +72,8 @@ def test_offload_is_chosen_when_only_it_fits():
     assert plan_offload(model, cfg, True, held.peak, None) == (held, False)
     assert plan_offload(model, cfg, True, held.peak, True) == (disk, True)
     assert plan_offload(model, load_recipe("rtn4"), True, 1, None)[1] is False  # data-free: nothing to offload
+
+
+def test_a_method_with_no_stored_activations_refuses_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="qat trains on token batches"):
+        quantize_to_folder("unused", load_recipe("qat4"), str(tmp_path / "q"), offload_activations=True)
