@@ -1,8 +1,9 @@
 """Did a change alter what quantization writes? Two checkpoint folders of the same recipe, tensor by tensor,
 and both scored on the quantization benchmark's saved windows (runs/bench/tokens.pt, scripts/bench/quant.py).
 
-  git worktree add /tmp/before <commit>; (cd /tmp/before && PYTHONPATH=. python -c "import cli; cli.main()" \\
-      quantize --recipe R --model smollm2-135m --out /tmp/before-R)
+  git worktree add /tmp/before <commit>
+  PYTHONPATH=/tmp/before .venv/bin/python -c "import cli; cli.main()" quantize --recipe R --model smollm2-135m \\
+      --out /tmp/before-R
   .venv/bin/compress quantize --recipe R --model smollm2-135m --out runs/bench/q-R
   .venv/bin/python scripts/bench/same_checkpoints.py /tmp/before-R runs/bench/q-R [more pairs ...]
 """
