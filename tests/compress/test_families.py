@@ -14,7 +14,6 @@ from compress.families import FAMILIES as TABLE
 from compress.families import supports
 from compress.moe_packed import PackedMoEExperts
 
-DENSE = FAMILIES
 RECIPES = ("rtn4", "gptq4", "awq4")
 IDS = token_batches(2, 12, seed=1)[0]
 
@@ -31,7 +30,7 @@ def logits(model, ids: torch.Tensor = IDS) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("family", DENSE + MOE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_recipe_quantizes_saves_and_reloads_to_identical_logits(family, recipe, tmp_path):
     from compress.checkpoint import quantized_modules
     from compress.models import load_model
@@ -78,7 +77,7 @@ def smooth_randomly(model: torch.nn.Module, seed: int = 0) -> int:
     return n
 
 
-@pytest.mark.parametrize("family", [f for f in DENSE + MOE_FAMILIES if supports(f, "awq")])
+@pytest.mark.parametrize("family", [f for f in FAMILIES + MOE_FAMILIES if supports(f, "awq")])
 def test_the_smoothing_map_leaves_the_fp_function_unchanged(family):
     """Checks each family's map against transformers' modeling code: a norm or linear that is not what feeds
     the listed linears (a post-norm, a fused split, a q/k norm in between) changes the logits."""
@@ -100,6 +99,6 @@ def test_the_smoothing_map_leaves_the_fp_function_unchanged(family):
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(base.parameters(), model.parameters()))
 
 
-@pytest.mark.parametrize("family", DENSE + MOE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_every_family_is_in_the_table(family):
     assert family in TABLE and TABLE[family].smooth is not None

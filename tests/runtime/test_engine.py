@@ -12,7 +12,6 @@ from runtime.sequence import SamplingParams
 from tiny_engine import hf_greedy, prompts, save_tiny
 from tiny_models import BLOCK_VARIANTS, FAMILIES, MOE_FAMILIES
 
-DENSE = FAMILIES
 N_NEW = 12
 GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
 
@@ -21,14 +20,14 @@ GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
 def tiny_dirs(tmp_path_factory, smol_tokenizer):
     """family -> (folder, HF model), each with the SmolLM2 tokenizer and vocab_size=len(tokenizer)."""
     out = {}
-    for fam in DENSE + MOE_FAMILIES:
+    for fam in FAMILIES + MOE_FAMILIES:
         path = tmp_path_factory.mktemp(fam)
         out[fam] = (str(path), save_tiny(fam, path, smol_tokenizer))
     return out
 
 
 @pytest.mark.parametrize("chunk", [2048, 8])
-@pytest.mark.parametrize("family", DENSE + MOE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_greedy_matches_transformers(tiny_dirs, family, chunk):
     path, hf = tiny_dirs[family]
     engine = Engine(EngineConfig(model=path, kv_cache_memory=1 << 24, max_num_batched_tokens=chunk, block_size=8))

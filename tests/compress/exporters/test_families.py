@@ -20,7 +20,6 @@ from .test_gptq import reference_dequantize as gptq_dequantize
 
 ct = pytest.importorskip("compressed_tensors")  # verification dependency (dev extra)
 
-DENSE = FAMILIES
 IDS = torch.randint(0, 256, (2, 18), generator=torch.Generator().manual_seed(2))  # past gemma's window of 8
 
 
@@ -53,7 +52,7 @@ def _close(got, ref, tol):
     assert float((got - ref).abs().max() / ref.abs().max()) <= tol
 
 
-@pytest.mark.parametrize("family", DENSE)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_compressed_tensors_loads_in_transformers_with_our_logits(folder, family, tmp_path):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
@@ -91,7 +90,7 @@ def _awq(t, n, qc):
     return awq_dequantize(t[f"{n}.qweight"], t[f"{n}.qzeros"], t[f"{n}.scales"], qc["group_size"])
 
 
-@pytest.mark.parametrize("family", DENSE)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_gptq_and_awq_exports_decode_to_our_logits(folder, family, tmp_path):
     src = folder(family)
     ours = load_quantized(src)
