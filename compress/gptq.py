@@ -40,22 +40,17 @@ class Hessian:
         x = x * (2 / self.n) ** 0.5
         self.H.addmm_(x.T, x)
 
+    def release(self) -> Tensor:
+        """The matrix, handed over: this object lets go of it, so that :func:`quantize_weight` frees it as
+        soon as its own working copy exists (one [in, in] matrix less at the peak)."""
+        H, self.H = self.H, None
+        return H
+
 
 @dataclass
 class GPTQResult:
     weight: QuantizedWeight
     loss: float  # sum over columns of (w - q)^2 / (2 Hinv_ii^2), as in the reference
-
-
-def _inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
-    """Upper Cholesky factor of H^-1 after damping (the reference's ``Hinv``)."""
-    H = H.clone()
-    H.diagonal().add_(damp * H.diagonal().mean())
-    L = torch.linalg.cholesky(H)
-    del H  # each [in, in] intermediate goes as soon as the next exists: at width 14336 each is 0.77 GiB
-    Hinv = torch.cholesky_inverse(L)
-    del L
-    return torch.linalg.cholesky(Hinv, upper=True)
 
 
 def _group_params(scheme: Scheme, g: int, mse: bool, weighted_range: bool) -> GroupParams:
@@ -80,23 +75,30 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, opts: GPTQOptions = GP
         raise ValueError(f"GPTQ quantizes to integer grids; format={scheme.format!r} is not supported (use nf4 recipe)")
     W = W.detach().float().clone()
     in_f = W.shape[1]
-    H = H.float().clone()
-    dead = H.diagonal() == 0
-    H[dead, dead] = 1
+    hdiag = H.diagonal().float().clone()  # the grid searches read only the diagonal (in the current column order)
+    dead = hdiag == 0
+    hdiag[dead] = 1
     W[:, dead] = 0
     g = scheme.group(in_f)
     params = _group_params(scheme, g, opts.mse, weighted_range)
-    hdiag = H.diagonal().clone()  # the grid searches read only the diagonal (in the current column order)
     static = None
     if opts.static_groups:  # qparams per natural-order group, fixed before any update
         static = [params(W[:, j * g:(j + 1) * g], hdiag[j * g:(j + 1) * g]) for j in range(scheme.n_groups(in_f))]
-    perm = None
-    if opts.act_order:
-        perm = torch.argsort(H.diagonal(), descending=True)
-        W, H = W[:, perm], H[perm][:, perm]
-        hdiag = H.diagonal().clone()
-    Hinv = _inverse_hessian_factor(H, opts.damp)
-    del H  # only its diagonal is read from here on
+    perm = torch.argsort(hdiag, descending=True) if opts.act_order else None
+    # Memory: H is never written; each [in, in] step below makes a new matrix and drops the one before it, so
+    # two exist at a time, besides the caller's H if the caller still holds it (at width 14336 each is 0.77 GiB).
+    if perm is not None:
+        H = H.float().index_select(0, perm)  # two statements: the unpermuted H can go before the second copy
+        H = H.index_select(1, perm)
+        W, hdiag, dead = W[:, perm], hdiag[perm], dead[perm]
+    else:
+        H = H.float().clone()
+    H[dead, dead] = 1
+    H.diagonal().add_(opts.damp * H.diagonal().mean())
+    H = torch.linalg.cholesky(H)
+    H = torch.cholesky_inverse(H)
+    Hinv = torch.linalg.cholesky(H, upper=True)  # the reference's Hinv: upper Cholesky factor of H^-1
+    del H
     Q, scales, zeros, loss = _quantize_columns(W, Hinv, hdiag, scheme, opts.block_size, params, static, perm)
     return _result(Q, scales, zeros, loss, scheme, static, perm)
 
@@ -192,11 +194,11 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
     the outputs of the already quantized gate/up (sequential within the expert)."""
     h = Hessian.zeros(x.shape[1])
     h.add(x)
-    gu = quantize_weight(w_gu, h.H, cfg.scheme, cfg.gptq, cfg.weighted_range)
+    gu = quantize_weight(w_gu, h.release(), cfg.scheme, cfg.gptq, cfg.weighted_range)
     inter = intermediate(x, gu.weight.dequantize(), act)
     h = Hessian.zeros(inter.shape[1])
     h.add(inter)
-    dn = quantize_weight(w_down, h.H, cfg.scheme, cfg.gptq, cfg.weighted_range)
+    dn = quantize_weight(w_down, h.release(), cfg.scheme, cfg.gptq, cfg.weighted_range)
     return ExpertResult(gu.weight, dn.weight, {"gate_up_proj": gu.loss, "down_proj": dn.loss})
 
 
@@ -208,7 +210,10 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
         hessians = observe(block, linears, inputs)
         for name, lin in linears.items():
-            res = quantize_weight(lin.weight.data, hessians[name].H, cfg.scheme, cfg.gptq, cfg.weighted_range)
+            h = hessians.pop(name)
+            shared = any(other is h for other in hessians.values())  # q/k/v: the last of them takes it
+            res = quantize_weight(lin.weight.data, h.H if shared else h.release(), cfg.scheme, cfg.gptq,
+                                  cfg.weighted_range)
             run.report.layers.append({"layer": i, "name": name, "loss": res.loss})
             swap_linear(block, name, lin, res.weight)
         if run.experts is not None:

@@ -70,3 +70,32 @@ def test_weighted_range_picks_each_static_group_by_the_hessian_diagonal(scheme):
     err = {k: (x @ (q.dequantize() - w).T).pow(2).mean().item()
            for k, q in (("gptq", res.weight), ("rtn", rtn.quantize_weight(w, scheme)))}
     assert err["gptq"] < err["rtn"]
+
+
+def test_quantize_weight_leaves_h_unwritten():
+    _, w, h = _layer()
+    H = h.H.clone()
+    gptq.quantize_weight(w, h.H, Scheme(4, 32, False), GPTQOptions(act_order=True, static_groups=True, mse=True))
+    assert torch.equal(h.H, H)
+
+
+def test_released_hessian_peaks_at_two_matrices():
+    """At width 14336 (an 8B model's down_proj) each [in, in] matrix is 0.77 GiB: once the caller hands its
+    Hessian over, GPTQ holds at most two of them (working copy and next factor), not the four it once did."""
+    from compress.job import peak_rss
+    from peak import reset_peak
+
+    d_in = 3072  # 36 MiB a matrix: far above the allocator's noise, a second of Cholesky
+    x = torch.randn(d_in + 512, d_in)
+    opts = GPTQOptions(act_order=True, static_groups=True, mse=True)
+    h = gptq.Hessian.zeros(d_in)
+    h.add(x)
+    del x
+    w = torch.randn(8, d_in)
+    gptq.quantize_weight(w, h.H.clone(), Scheme(4, 64, False), opts)  # warm up the kernels' own buffers
+    if (before := reset_peak()) is None:
+        pytest.skip("needs /proc/self/clear_refs to measure the peak")
+    gptq.quantize_weight(w, h.release(), Scheme(4, 64, False), opts)
+    matrices = (peak_rss() - before) / (d_in * d_in * 4)
+    assert h.H is None
+    assert matrices < 1.5, matrices  # the released H was already resident: one more matrix at a time

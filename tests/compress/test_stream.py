@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 from compress.config import load_recipe
 from compress.job import quantize_to_folder
 from compress.shards import INDEX, shard_files
+from peak import reset_peak
 from tiny_models import tiny_model
 
 
@@ -92,16 +93,6 @@ def test_streamed_checkpoint_reloads_to_the_same_logits(tmp_path, smol_tokenizer
         assert torch.equal(a(ids).logits, b(ids).logits)
 
 
-def _reset_peak() -> int | None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident set
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    except OSError:
-        return None
-
-
 def test_streaming_holds_one_block(tmp_path, smol_tokenizer):
     """Blocks of 36 MB (fp32) in a 290 MB model: streaming rtn grows the resident set by one block and the
     rounding's temporaries (about 4 blocks here, whatever the depth), loading the whole model by all 8 and more."""
@@ -112,12 +103,12 @@ def test_streaming_holds_one_block(tmp_path, smol_tokenizer):
     quantize_to_folder(str(warm), cfg, str(tmp_path / "w"), stream=True)
     src = _save(tmp_path, "llama", smol_tokenizer, hidden=1024, layers=8, vocab=256)
     block = sum(p.numel() for p in tiny_model("llama", hidden=1024, layers=1, vocab=256).model.layers.parameters()) * 4
-    if (before := _reset_peak()) is None:
+    if (before := reset_peak()) is None:
         pytest.skip("needs /proc/self/clear_refs to measure the peak")
     res = quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True)
     streamed = peak_rss() - before
     assert res.memory["largest_block_bytes"] == block
-    before = _reset_peak()
+    before = reset_peak()
     quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False)
     whole = peak_rss() - before
     assert streamed < 6 * block < whole, (streamed / 2**20, whole / 2**20, block / 2**20)
