@@ -24,9 +24,10 @@ demo: setup
 	$(BIN)/compress quantize --recipe awq4 --out $(OUT) --overwrite
 	$(BIN)/compress eval $(OUT) --baseline smollm2-135m $(EVALFLAGS)
 
-# Every default recipe of SmolLM2 measured on the same settings: table, plots, recommendations (out/report).
+# Every default recipe of SmolLM2 and awq4's ONNX int4 and GGUF exports, measured on the same settings: table,
+# plots, recommendations (out/report). The GGUF row's speed needs llama.cpp (scripts/bench/llamacpp.sh, once).
 report: setup
-	HF_HUB_OFFLINE=1 $(BIN)/compress report smollm2-135m --out out/report
+	HF_HUB_OFFLINE=1 $(BIN)/compress report smollm2-135m --out out/report --exports onnx-int4:awq4,gguf:awq4
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
