@@ -88,7 +88,8 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
     activations = 3 * tokens * hidden * 4  # a block's inputs, its outputs, and one batch's intermediates
     statistics = 0
     if cfg.gptq_rounding:
-        statistics = sum(m.in_features ** 2 for m in linears) * 4 + 3 * widest ** 2 * 4  # Hessians + inverse
+        # the Hessians, then GPTQ's working copy of the widest and the next factor made from it (compress/gptq.py)
+        statistics = sum(m.in_features ** 2 for m in linears) * 4 + 2 * widest ** 2 * 4
     if cfg.method == "awq":
         statistics += len(linears) * cfg.awq.search_tokens * widest * 4
     if streamed:  # one fp32 block, its stored copy while loading, the packed result
