@@ -4,7 +4,7 @@ the same KV memory, and decode tok/s at N concurrent sequences (medians of alter
 
   .venv/bin/python scripts/bench/kv_cache.py out/smollm2-135m-awq4 [--kv int8] [--ppl wiki] [--max-windows 8]
       [--ppl-mode decode] [--prompts 20] [--gen 48] [--greedy-variants torch-ops,fp-head,fp8_e4m3]
-      [--parallel 32] [--repeats 3] [--threads N] [--sections ppl,greedy,decode] [--json PATH]
+      [--parallel 32] [--repeats 3] [--threads N] [--dtype auto|float32|bfloat16] [--sections ppl,greedy,decode] [--json PATH]
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def measure_ppl(a, texts: list[str], kinds: list[str]) -> dict:
 
     out = {}
     for kv in kinds:
-        lm = EngineLM(a.model, mode=a.ppl_mode, max_len=a.seqlen, kv_cache_dtype=kv)
+        lm = EngineLM(a.model, dtype=a.dtype, mode=a.ppl_mode, max_len=a.seqlen, kv_cache_dtype=kv)
         out[kv] = perplexity(lm, lm.tokenizer, texts, seqlen=a.seqlen, max_windows=a.max_windows, batch_size=4).ppl
         print(f"ppl {kv}: {out[kv]:.4f}", flush=True)
     return out
@@ -82,7 +82,7 @@ def measure_greedy(a, engines: dict, texts: list[str], variants: list[str]) -> d
     greedy = SamplingParams(max_tokens=a.gen, ignore_eos=True)
     outs = {kv: [o.token_ids for o in e.generate(prompts, greedy)] for kv, e in engines.items()}
     for name in variants:
-        engine = Engine(EngineConfig(model=a.model, kv_cache_memory=a.kv_memory, **VARIANTS[name]))
+        engine = Engine(EngineConfig(model=a.model, dtype=a.dtype, kv_cache_memory=a.kv_memory, **VARIANTS[name]))
         outs[name] = [o.token_ids for o in engine.generate(prompts, greedy)]
     res = {name: greedy_agreement(outs["auto"], o) for name, o in outs.items() if name != "auto"}
     for name, g in res.items():
@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--greedy-variants", default="", help=f"also compare these with auto's greedy: {list(VARIANTS)}")
     ap.add_argument("--parallel", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", help="compute dtype of every engine (float32: no bf16 rounding "
+                    "between the caches compared, so only the cache's own error can fork a greedy continuation)")
     ap.add_argument("--kv-memory", type=int, default=256 << 20, help="bytes of each KV pool")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument("--json")
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     res: dict = {"args": vars(a)}
     if "ppl" in sections:
         res["ppl"] = measure_ppl(a, texts, kinds)
-    engines = {kv: Engine(EngineConfig(model=a.model, kv_cache_dtype=kv, kv_cache_memory=a.kv_memory,
+    engines = {kv: Engine(EngineConfig(model=a.model, dtype=a.dtype, kv_cache_dtype=kv, kv_cache_memory=a.kv_memory,
                                        max_num_seqs=max(64, a.parallel))) for kv in kinds}
     res["blocks"] = {kv: e.block_manager.num_blocks for kv, e in engines.items()}
     res["admitted"] = {kv: admitted(n, engines[kv].config.block_size, PROMPT + GEN) for kv, n in res["blocks"].items()}
