@@ -4,7 +4,8 @@ the same KV memory, and decode tok/s at N concurrent sequences (medians of alter
 
   .venv/bin/python scripts/bench/kv_cache.py out/smollm2-135m-awq4 [--kv int8] [--ppl wiki] [--max-windows 8]
       [--ppl-mode decode] [--prompts 20] [--gen 48] [--greedy-variants torch-ops,fp-head,fp8_e4m3]
-      [--parallel 32] [--repeats 3] [--threads N] [--dtype auto|float32|bfloat16] [--sections ppl,greedy,decode] [--json PATH]
+      [--parallel 32] [--repeats 3] [--threads N] [--dtype auto|float32|bfloat16] [--sections ppl,greedy,decode]
+      [--json PATH]
 """
 from __future__ import annotations
 
