@@ -10,7 +10,6 @@ soft-capping, rotary parameters, multipliers) stay in that config; this table sa
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 
@@ -198,17 +197,16 @@ FAMILIES: dict[str, Family] = {
     "granite": Family(multipliers=True, smooth=LLAMA, attn=_STD, onnx=True, gguf=_GRANITE_GGUF),
     "mixtral": Family(moe=MoEArch(intermediate_key="intermediate_size", always_renormalize=True, fp32_weights=True,
                                   legacy_block="block_sparse_moe", legacy_names=("w1", "w3", "w2")),
-                      smooth=MOE, attn=_STD, experts=ExpertLayout(), gguf=GGUFArch("llama", True)),
+                      smooth=MOE, attn=_STD, experts=ExpertLayout(), gguf=GGUFArch("llama", True),
+                      refused=(("onnx", _MOE_ONNX),)),
     "qwen2_moe": Family(moe=MoEArch(shared_expert=True, sparse_step=True), smooth=QWEN2_MOE, attn=_STD,
-                        experts=ExpertLayout(), gguf=GGUFArch("qwen2moe", False)),
+                        experts=ExpertLayout(), gguf=GGUFArch("qwen2moe", False), refused=(("onnx", _MOE_ONNX),)),
     "qwen3_moe": Family(qk_norm="head", moe=_QWEN_MOE, smooth=MOE, attn=_QK_NORM, experts=ExpertLayout(),
-                        gguf=GGUFArch("qwen3moe", False)),
+                        gguf=GGUFArch("qwen3moe", False), refused=(("onnx", _MOE_ONNX),)),
     "olmoe": Family(qk_norm="proj", moe=MoEArch(intermediate_key="intermediate_size"), smooth=MOE,
                     experts=ExpertLayout(), refused=(("gqa", _K_NORM_ALL_HEADS), ("onnx", _MOE_ONNX),
                                                      ("gguf", "its GGUF tensor names are not mapped yet"))),
 }
-for _t in ("mixtral", "qwen2_moe", "qwen3_moe"):
-    FAMILIES[_t] = dataclasses.replace(FAMILIES[_t], refused=(("onnx", _MOE_ONNX),))
 
 # step -> (the part of a Family it needs, what it is called in errors)
 STEPS = {

@@ -112,10 +112,10 @@ def plan_offload(model: nn.Module, cfg, streamed: bool, max_memory: int | None,
     when the run fits only with them there."""
     if not cfg.needs_calibration or cfg.method == "qat":  # QAT trains on token batches, not stored activations
         return plan(model, cfg, streamed), False
-    held = plan(model, cfg, streamed)
+    held, on_disk = plan(model, cfg, streamed), plan(model, cfg, streamed, offload=True)
     if offload is None:
-        offload = not fits(held, max_memory) and fits(plan(model, cfg, streamed, offload=True), max_memory)
-    return (plan(model, cfg, streamed, offload=True) if offload else held), offload
+        offload = not fits(held, max_memory) and fits(on_disk, max_memory)
+    return (on_disk if offload else held), offload
 
 
 def check(p: MemoryPlan, max_memory: int | None, what: str) -> None:
