@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from compress import gptq, rtn
+from compress import gptq, guided, rtn
 from compress.calibrate import BlockInputs, Run, autocast_of, layers_name, run_sequential, swap_linear, target_linears
 from compress.config import QuantizeConfig
 from compress.mappings import BlockMap, Smooth, block_map
@@ -127,8 +127,10 @@ def clip_weight(w: Tensor, bounds: Bounds, scheme: Scheme) -> Tensor:
 class _Sampler:
     """Collects, per linear, the mean |x| over all tokens and a fixed random sample of token rows."""
 
-    def __init__(self, inputs: BlockInputs, n_tokens: int, seed: int, hessians: dict[str, gptq.Hessian] | None = None):
+    def __init__(self, inputs: BlockInputs, n_tokens: int, seed: int, hessians: dict[str, gptq.Hessian] | None = None,
+                 weights: dict[str, list[Tensor]] | None = None):
         gen = torch.Generator().manual_seed(seed)
+        self.weights = weights  # guided GPTQ: each batch's token weights per linear (compress/guided.py)
         # optional: the GPTQ Hessian of every input, accumulated over all tokens (linears that share an
         # input share one object, which only the first of them updates)
         self.hessians = hessians or {}
@@ -159,9 +161,9 @@ class _Sampler:
         def fn(module, args):
             x = args[0].reshape(-1, args[0].shape[-1]).float()
             h = self.hessians.get(name)
-            if h is not None and self._owner[id(h)] == name:
-                h.add(x)
             calls = self.samples.setdefault(name, [])
+            if h is not None and self._owner[id(h)] == name:
+                h.add(x, None if self.weights is None else self.weights[name][len(calls)])
             self.abs_sum[name] = self.abs_sum.get(name, 0) + x.abs().sum(0)
             self.count[name] = self.count.get(name, 0) + x.shape[0]
             calls.append(x[self.rows[len(calls)]])
@@ -189,11 +191,12 @@ def round_weight(w: Tensor, x: Tensor, H: Tensor | None, cfg: QuantizeConfig, cl
     return res.weight, res.loss
 
 
-def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap) -> dict[str, gptq.Hessian]:
-    """One GPTQ Hessian per distinct input: the linears a norm smooths together read the same tensor."""
+def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap, guided: bool) -> dict[str, gptq.Hessian]:
+    """One GPTQ Hessian per distinct input: the linears a norm smooths together read the same tensor (unless guided:
+    then each linear weights the tokens by its own outputs' gradients)."""
     out: dict[str, gptq.Hessian] = {}
     for sm in bmap.smooths:
-        if all(n in linears for n in sm.linears):
+        if not guided and all(n in linears for n in sm.linears):
             h = gptq.Hessian.zeros(linears[sm.linears[0]].in_features)
             out.update({n: h for n in sm.linears})
     for name, lin in linears.items():
@@ -203,9 +206,9 @@ def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap) -> dict[str,
 
 
 def _observe(block: nn.Module, linears: dict[str, nn.Linear], bmap: BlockMap, inputs: BlockInputs, n_tokens: int,
-             seed: int, hessians: dict[str, gptq.Hessian] | None) -> _Sampler:
+             seed: int, hessians: dict[str, gptq.Hessian] | None, weights: dict[str, list[Tensor]] | None) -> _Sampler:
     """Run the block once with hooks on its linears (and the modules that judge a scale)."""
-    sampler = _Sampler(inputs, n_tokens, seed, hessians)
+    sampler = _Sampler(inputs, n_tokens, seed, hessians, weights)
     handles = [m.register_forward_pre_hook(sampler.hook(n)) for n, m in linears.items()]
     handles += [block.get_submodule(sm.inspect).register_forward_pre_hook(sampler.module_hook(sm.inspect),
                                                                          with_kwargs=True)
@@ -267,8 +270,9 @@ def _smooth(block: nn.Module, sm: Smooth, linears: dict[str, nn.Linear], sampler
     for n, m in zip(sm.linears, mods):
         m.weight.data.mul_(s.to(m.weight.dtype))
         sampler.samples[n] = [torch.cat(sampler.samples[n]) / s]
-    if hessians is not None:  # the inputs are now x / s: H -> H / (s s^T), once per shared Hessian
-        hessians[sm.linears[0]].H.div_(torch.outer(s, s))
+    if hessians is not None:  # the inputs are now x / s: H -> H / (s s^T), once per distinct Hessian
+        for h in {id(hessians[n]): hessians[n] for n in sm.linears}.values():
+            h.H.div_(torch.outer(s, s))
     return {"smooth": sm.prev, "ratio": res.ratio, "loss": res.loss, "rtn_loss": res.base_loss}
 
 
@@ -309,11 +313,13 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     model's map, then clip and round each linear; then each block's MoE experts."""
     bmap = block_map(model.config.model_type)
     prefix = layers_name(model)
+    tw = guided.token_weights(model, run.batches, cfg.ignore) if cfg.gptq.guided else None
 
     def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
-        hessians = _shared_hessians(linears, bmap) if cfg.awq.rounding == "gptq" else None
-        sampler = _observe(block, linears, bmap, inputs, cfg.awq.search_tokens, cfg.seed + i, hessians)
+        hessians = _shared_hessians(linears, bmap, tw is not None) if cfg.awq.rounding == "gptq" else None
+        sampler = _observe(block, linears, bmap, inputs, cfg.awq.search_tokens, cfg.seed + i, hessians,
+                           None if tw is None else {n: tw.pop((i, n)) for n in linears})
         for sm in bmap.smooths:
             record = _smooth(block, sm, linears, sampler, cfg, bmap.norm_offset, hessians)
             if record is not None:

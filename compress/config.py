@@ -39,6 +39,9 @@ class GPTQOptions:
     act_order: bool = False
     static_groups: bool = False
     mse: bool = False  # clip each group's grid to minimise H-diagonal-weighted rounding error
+    # weight each token in the Hessians by the squared loss gradient at the linear's output (compress/guided.py):
+    # one forward and backward pass of the whole fp model first; not streamed
+    guided: bool = False
 
     def __post_init__(self):
         if not 0 < self.damp < 1:
@@ -145,7 +148,7 @@ class QuantizeConfig:
         """Fields that only a method's own rounding reads are refused where nothing would read them."""
         if self.awq.rounding != "rtn" and self.method != "awq":
             raise ValueError(f"rounding={self.awq.rounding!r} applies to method awq only, not {self.method!r}")
-        for name in ("act_order", "static_groups", "mse"):
+        for name in ("act_order", "static_groups", "mse", "guided"):
             if getattr(self.gptq, name) and not self.gptq_rounding:
                 raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq) only, "
                                  f"not {self.method!r}")

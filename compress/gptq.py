@@ -12,6 +12,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from compress import guided
 from compress.calibrate import BlockInputs, Run, autocast_of, layers_name, run_sequential, swap_linear, target_linears
 from compress.config import GPTQOptions, QuantizeConfig
 from compress.moe import ExpertResult, intermediate
@@ -31,9 +32,11 @@ class Hessian:
     def zeros(cls, in_features: int) -> "Hessian":
         return cls(torch.zeros(in_features, in_features, dtype=torch.float32))
 
-    def add(self, x: Tensor) -> None:
-        # x: [..., in] -> [tokens, in]
+    def add(self, x: Tensor, weight: Tensor | None = None) -> None:
+        """``x: [..., in]``; ``weight: [...]`` counts each token's ``x x^T`` that many times (compress/guided.py)."""
         x = x.reshape(-1, x.shape[-1]).float()
+        if weight is not None:
+            x = x * weight.reshape(-1, 1).sqrt()
         t = x.shape[0]
         self.H.mul_(self.n / (self.n + t))
         self.n += t
@@ -162,16 +165,22 @@ def _result(Q: Tensor, scales: Tensor, zeros: Tensor | None, loss: Tensor, schem
 
 
 # -- the adapter: hooks that accumulate each linear's Hessian in a decoder block --------------------
-def observe(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs) -> dict[str, Hessian]:
+def observe(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs,
+            weights: dict[str, list[Tensor]] | None = None) -> dict[str, Hessian]:
     """Each linear's Hessian over the block's calibration inputs; linears fed the very same tensor (q/k/v)
-    share one."""
+    share one, unless ``weights`` (per linear, each batch's token weights) tell their tokens apart."""
     hessians = {n: Hessian.zeros(m.in_features) for n, m in linears.items()}
     owner: dict[str, str] = {}
     first_batch: dict[int, tuple[str, Tensor]] = {}  # holds the tensors so addresses stay unique
+    calls = dict.fromkeys(linears, 0)
 
     def hook(name):
         def fn(module, args):
             x = args[0]
+            if weights is not None:
+                hessians[name].add(x, weights[name][calls[name]])
+                calls[name] += 1
+                return
             if name not in owner:
                 rep = first_batch.get(x.data_ptr())
                 owner[name] = rep[0] if rep is not None and rep[1] is x else name
@@ -186,7 +195,7 @@ def observe(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs
     finally:
         for h in handles:
             h.remove()
-    return {n: hessians[owner[n]] for n in linears}
+    return hessians if weights is not None else {n: hessians[owner[n]] for n in linears}
 
 
 def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeConfig) -> ExpertResult:
@@ -205,10 +214,11 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
 def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     """GPTQ, block by block on the previous blocks' quantized outputs, then each block's MoE experts."""
     prefix = layers_name(model)
+    tw = guided.token_weights(model, run.batches, cfg.ignore) if cfg.gptq.guided else None
 
     def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
-        hessians = observe(block, linears, inputs)
+        hessians = observe(block, linears, inputs, None if tw is None else {n: tw.pop((i, n)) for n in linears})
         for name, lin in linears.items():
             h = hessians.pop(name)
             shared = any(other is h for other in hessians.values())  # q/k/v: the last of them takes it

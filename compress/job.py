@@ -84,6 +84,8 @@ def why_not_streamed(src, cfg: QuantizeConfig) -> str | None:
         return "rotations are folded over the whole model"
     if src.quantized:
         return "the source is already a quantized checkpoint"
+    if cfg.gptq.guided:
+        return "guided GPTQ backpropagates through the whole model"
     return None
 
 

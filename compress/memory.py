@@ -61,14 +61,16 @@ class MemoryPlan:
     activations: int
     statistics: int
     training: int = 0  # gradients, optimizer state and the teacher, for QAT / uptraining
+    gradients: int = 0  # guided GPTQ's backward pass over one sequence, and the token weights it keeps
 
     @property
     def peak(self) -> int:
-        return BASE_BYTES + self.weights + self.activations + self.statistics + self.training
+        return BASE_BYTES + self.weights + self.activations + self.statistics + self.training + self.gradients
 
     def describe(self) -> str:
         parts = [f"weights {gib(self.weights)}", f"activations {gib(self.activations)}",
-                 f"statistics {gib(self.statistics)}"] + ([f"training {gib(self.training)}"] if self.training else [])
+                 f"statistics {gib(self.statistics)}"] + ([f"training {gib(self.training)}"] if self.training else []) \
+            + ([f"gradient pass {gib(self.gradients)}"] if self.gradients else [])
         return f"about {gib(self.peak)} ({', '.join(parts)}, process {gib(BASE_BYTES)})"
 
 
@@ -98,7 +100,12 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
     training = 0
     if cfg.method == "qat" or cfg.uptrain_steps or cfg.kv_fit_steps:
         training = 3 * whole + whole  # gradients + Adam's two moments, and the fp teacher
-    return MemoryPlan(whole + block, activations, statistics, training)
+    gradients = 0
+    if cfg.gptq_rounding and cfg.gptq.guided:  # compress/guided.py: one sequence's graph, its logits, the weights
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        graph = cfg.seqlen * (10 * hidden + 4 * widest) * 4 * len(layers) + cfg.seqlen * text.vocab_size * 16
+        gradients = graph + len(linears) * len(layers) * cfg.nsamples * cfg.seqlen * 4
+    return MemoryPlan(whole + block, activations, statistics, training, gradients)
 
 
 def fits(p: MemoryPlan, max_memory: int | None) -> bool:

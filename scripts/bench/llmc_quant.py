@@ -19,22 +19,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import window_ppl  # noqa: E402
 
 
+METHODS = ("rtn", "gptq", "awq", "gptq-imatrix", "quip-gptq", "spinquant-gptq")
+
+
 def modifier(method: str, bits: int, group: int, sym: bool):
-    scheme = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": bits, "type": "int", "symmetric": sym,
-                                                             "strategy": "group", "group_size": group}}}
+    """The llm-compressor recipe of ``method``: its RTN, GPTQ (its defaults but damp 0.01) or AWQ; GPTQ with its
+    ``imatrix_mse`` observer (ranges weighted by E[x^2], llama.cpp's importance matrix); GPTQ after its QuIP
+    transform (an online random Hadamard on every linear's input, fused into the weights) or after its
+    SpinQuant R1+R2 rotations (random Hadamards fused into the weights, no training)."""
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group", "group_size": group}
+    if method == "gptq-imatrix":
+        weights["observer"] = "imatrix_mse"
+    scheme = {"group_0": {"targets": ["Linear"], "weights": weights}}
     if method == "rtn":
         from llmcompressor.modifiers.quantization import QuantizationModifier
 
         return QuantizationModifier(config_groups=scheme, ignore=["lm_head"])
-    if method == "gptq":
-        from llmcompressor.modifiers.quantization import GPTQModifier
-
-        return GPTQModifier(config_groups=scheme, ignore=["lm_head"], dampening_frac=0.01)
     if method == "awq":
         from llmcompressor.modifiers.awq import AWQModifier
 
         return AWQModifier(config_groups=scheme, ignore=["lm_head"])
-    raise SystemExit(f"unknown method {method}")
+    if method not in METHODS:
+        raise SystemExit(f"unknown method {method}; one of {', '.join(METHODS)}")
+    from llmcompressor.modifiers.quantization import GPTQModifier
+
+    gptq = GPTQModifier(config_groups=scheme, ignore=["lm_head"], dampening_frac=0.01)
+    if method == "quip-gptq":
+        from llmcompressor.modifiers.transform import QuIPModifier
+
+        return [QuIPModifier(rotations=["v"], transform_type="random-hadamard"), gptq]
+    if method == "spinquant-gptq":
+        from llmcompressor.modifiers.transform import SpinQuantModifier
+
+        return [SpinQuantModifier(rotations=["R1", "R2"], transform_type="random-hadamard"), gptq]
+    return gptq
 
 
 @torch.no_grad()

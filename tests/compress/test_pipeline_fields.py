@@ -36,7 +36,8 @@ READS = {
            | {"calib_dtype", "weighted_range"} | AWQ - {"rounding"},  # the awq options under init: awq
 }
 # a MoE model's experts read the same (qat refuses MoE models), and how many routed tokens calibrate one
-MOE_READS = {m: READS[m] | ({"moe_min_tokens"} if m in ("gptq", "awq") else set())
+# (guided GPTQ weights the dense linears' tokens only: the experts are compared alone here, so it is not listed)
+MOE_READS = {m: READS[m] - {"guided"} | ({"moe_min_tokens"} if m in ("gptq", "awq") else set())
              for m in ("rtn", "nf4", "gptq", "awq")}
 # the settings under which a field matters
 CONTEXT = {**{("awq", f): {"rounding": "gptq"} for f in GPTQ},
@@ -72,7 +73,7 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
 }
 CHANGE = {
     "bits": 3, "group_size": 16, "sym": True, "seed": 1, "batch_size": 4, "calib_dtype": "bfloat16",
-    "damp": 0.5, "act_order": True, "static_groups": True, "mse": True, "weighted_range": True,
+    "damp": 0.5, "act_order": True, "static_groups": True, "mse": True, "guided": True, "weighted_range": True,
     "grid": 3, "duo_scaling": False, "clip": False, "search_tokens": 8, "clip_tokens": 4, "clip_grid": 4,
     "rounding": "gptq", "init": "awq", "steps": 3, "lr": 1e-2, "scale_lr": 0.0, "learn_zero": True,
     "train_dtype": "bfloat16", "ignore": ("lm_head", "o_proj"), "moe_min_tokens": 10_000,
