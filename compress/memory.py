@@ -103,7 +103,7 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
     gradients = 0
     if cfg.gptq_rounding and cfg.gptq.guided:  # compress/guided.py: one sequence's graph, its logits, the weights
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        graph = 4 * cfg.seqlen * (10 * hidden + 4 * widest) * 4 * len(layers) + cfg.seqlen * text.vocab_size * 32
+        graph = 5 * cfg.seqlen * (10 * hidden + 4 * widest) * 4 * len(layers) + cfg.seqlen * text.vocab_size * 32
         gradients = graph + len(linears) * len(layers) * cfg.nsamples * cfg.seqlen * 4
     return MemoryPlan(whole + block, activations, statistics, training, gradients)
 
