@@ -84,8 +84,8 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
     linears = [m for m in layers[0].modules() if isinstance(m, nn.Linear)]
     widest = max((m.in_features for m in linears), default=0)
     calib = cfg.needs_calibration
-    hidden = model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config") \
-        else model.config.hidden_size
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hidden = text.hidden_size
     tokens = (min(cfg.batch_size, cfg.nsamples) if offload else cfg.nsamples) * cfg.seqlen if calib else 0
     activations = 3 * tokens * hidden * 4  # a block's inputs, its outputs, and one batch's intermediates
     statistics = 0
@@ -102,7 +102,6 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
         training = 3 * whole + whole  # gradients + Adam's two moments, and the fp teacher
     gradients = 0
     if cfg.gptq_rounding and cfg.gptq.guided:  # compress/guided.py: one sequence's graph, its logits, the weights
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         graph = 5 * cfg.seqlen * (10 * hidden + 4 * widest) * 4 * len(layers) + cfg.seqlen * text.vocab_size * 32
         gradients = graph + len(linears) * len(layers) * cfg.nsamples * cfg.seqlen * 4
     return MemoryPlan(whole + block, activations, statistics, training, gradients)
