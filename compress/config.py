@@ -42,6 +42,9 @@ class GPTQOptions:
     # weight each token in the Hessians by the squared loss gradient at the linear's output (compress/guided.py):
     # one forward and backward pass of the whole fp model first; not streamed
     guided: bool = False
+    # False: every Hessian from one pass of the fp model (compress/onepass.py; with guided, the gradient pass itself),
+    # no block-by-block forwards of the quantized blocks: faster, all Hessians held at once; not streamed
+    sequential: bool = True
 
     def __post_init__(self):
         if not 0 < self.damp < 1:
@@ -152,6 +155,9 @@ class QuantizeConfig:
             if getattr(self.gptq, name) and not self.gptq_rounding:
                 raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq) only, "
                                  f"not {self.method!r}")
+        if not self.gptq.sequential and self.method != "gptq":
+            raise ValueError(f"sequential: false applies to method gptq only, not {self.method!r} (awq searches its "
+                             "scales block by block on the quantized blocks' outputs)")
         if self.weighted_range:
             if self.method not in ("gptq", "awq", "qat"):
                 raise ValueError(f"weighted_range needs calibration statistics: it applies to gptq, awq and qat, "

@@ -12,42 +12,15 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from compress import guided
-from compress.calibrate import BlockInputs, Run, autocast_of, layers_name, run_sequential, swap_linear, target_linears
+from compress import guided, onepass
+from compress.calibrate import (BlockInputs, Run, autocast_of, layers_name, run_blocks, run_sequential, swap_linear,
+                               target_linears)
 from compress.config import GPTQOptions, QuantizeConfig
+from compress.hessian import Hessian, InputOwners
 from compress.moe import ExpertResult, intermediate
 from compress.quant import QuantizedWeight, Scheme, find_params, mse_params, weighted_range_params
 
 GroupParams = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]  # (w [out, k], H diagonal [k])
-
-
-@dataclass
-class Hessian:
-    """Running mean of ``2 x^T x`` over calibration tokens."""
-
-    H: Tensor
-    n: int = 0
-
-    @classmethod
-    def zeros(cls, in_features: int) -> "Hessian":
-        return cls(torch.zeros(in_features, in_features, dtype=torch.float32))
-
-    def add(self, x: Tensor, weight: Tensor | None = None) -> None:
-        """``x: [..., in]``; ``weight: [...]`` counts each token's ``x x^T`` that many times (compress/guided.py)."""
-        x = x.reshape(-1, x.shape[-1]).float()
-        if weight is not None:
-            x = x * weight.reshape(-1, 1).sqrt()
-        t = x.shape[0]
-        self.H.mul_(self.n / (self.n + t))
-        self.n += t
-        x = x * (2 / self.n) ** 0.5
-        self.H.addmm_(x.T, x)
-
-    def release(self) -> Tensor:
-        """The matrix, handed over: this object lets go of it, so that :func:`quantize_weight` frees it as
-        soon as its own working copy exists (one [in, in] matrix less at the peak)."""
-        H, self.H = self.H, None
-        return H
 
 
 @dataclass
@@ -65,6 +38,34 @@ def _group_params(scheme: Scheme, g: int, mse: bool, weighted_range: bool) -> Gr
             return scale[:, 0], None if zero is None else zero[:, 0]
         return mse_params(w, scheme, hdiag) if mse else find_params(w, scheme)
     return params
+
+
+def _static_params(W: Tensor, hdiag: Tensor, scheme: Scheme, g: int, mse: bool, weighted_range: bool,
+                   chunk: int = 1 << 22) -> list[tuple[Tensor, Tensor | None]]:
+    """Every natural-order group's qparams, the same as :func:`_group_params` gives them group by group, in a
+    few calls: the weighted range takes all groups at once; otherwise the full groups are stacked as the rows
+    of one matrix (each with its own slice of ``hdiag``), ``chunk`` elements a call, and a ragged last group
+    goes alone."""
+    if weighted_range:
+        scale, zero = weighted_range_params(W, Scheme(scheme.bits, g, scheme.sym), hdiag)
+        return [(scale[:, j], None if zero is None else zero[:, j]) for j in range(scale.shape[1])]
+
+    def params(w: Tensor, c: Tensor) -> tuple[Tensor, Tensor | None]:
+        return mse_params(w, scheme, c) if mse else find_params(w, scheme)
+    out_f, in_f = W.shape
+    n_full = in_f // g
+    rows = max(1, chunk // g)
+    stacked = W[:, :n_full * g].reshape(out_f, n_full, g).transpose(0, 1).reshape(-1, g)  # group-major rows
+    weight = hdiag[:n_full * g].reshape(n_full, 1, g).expand(n_full, out_f, g).reshape(-1, g)
+    parts = [params(w, c) for w, c in zip(stacked.split(rows), weight.split(rows))] if n_full else []
+    groups = []
+    if parts:
+        scales = torch.cat([s for s, _ in parts]).reshape(n_full, out_f)
+        zeros = None if parts[0][1] is None else torch.cat([z for _, z in parts]).reshape(n_full, out_f)
+        groups = [(scales[j], None if zeros is None else zeros[j]) for j in range(n_full)]
+    if in_f % g:
+        groups.append(params(W[:, n_full * g:], hdiag[n_full * g:]))
+    return groups
 
 
 def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, opts: GPTQOptions = GPTQOptions(),
@@ -86,7 +87,7 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, opts: GPTQOptions = GP
     params = _group_params(scheme, g, opts.mse, weighted_range)
     static = None
     if opts.static_groups:  # qparams per natural-order group, fixed before any update
-        static = [params(W[:, j * g:(j + 1) * g], hdiag[j * g:(j + 1) * g]) for j in range(scheme.n_groups(in_f))]
+        static = _static_params(W, hdiag, scheme, g, opts.mse, weighted_range)
     perm = torch.argsort(hdiag, descending=True) if opts.act_order else None
     # Memory: H is never written; each [in, in] step below makes a new matrix and drops the one before it, so
     # two exist at a time, besides the caller's H if the caller still holds it (at width 14336 each is 0.77 GiB).
@@ -170,8 +171,7 @@ def observe(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs
     """Each linear's Hessian over the block's calibration inputs; linears fed the very same tensor (q/k/v)
     share one, unless ``weights`` (per linear, each batch's token weights) tell their tokens apart."""
     hessians = {n: Hessian.zeros(m.in_features) for n, m in linears.items()}
-    owner: dict[str, str] = {}
-    first_batch: dict[int, tuple[str, Tensor]] = {}  # holds the tensors so addresses stay unique
+    owners = InputOwners()
     calls = dict.fromkeys(linears, 0)
 
     def hook(name):
@@ -180,12 +180,7 @@ def observe(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs
             if weights is not None:
                 hessians[name].add(x, weights[name][calls[name]])
                 calls[name] += 1
-                return
-            if name not in owner:
-                rep = first_batch.get(x.data_ptr())
-                owner[name] = rep[0] if rep is not None and rep[1] is x else name
-                first_batch.setdefault(x.data_ptr(), (name, x))
-            if owner[name] == name:
+            elif owners.owns(name, x):
                 hessians[name].add(x)
         return fn
 
@@ -195,7 +190,7 @@ def observe(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs
     finally:
         for h in handles:
             h.remove()
-    return hessians if weights is not None else {n: hessians[owner[n]] for n in linears}
+    return hessians if weights is not None else {n: hessians[owners.owner[n]] for n in linears}
 
 
 def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeConfig) -> ExpertResult:
@@ -211,21 +206,35 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
     return ExpertResult(gu.weight, dn.weight, {"gate_up_proj": gu.loss, "down_proj": dn.loss})
 
 
+def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], hessians: dict[str, Hessian],
+                      cfg: QuantizeConfig, run: Run) -> None:
+    """GPTQ of each of a block's linears against its Hessian, swapped for its packed weight."""
+    for name, lin in linears.items():
+        h = hessians.pop(name)
+        shared = any(other is h for other in hessians.values())  # q/k/v: the last of them takes it
+        res = quantize_weight(lin.weight.data, h.H if shared else h.release(), cfg.scheme, cfg.gptq, cfg.weighted_range)
+        run.report.layers.append({"layer": i, "name": name, "loss": res.loss})
+        swap_linear(block, name, lin, res.weight)
+
+
 def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
-    """GPTQ, block by block on the previous blocks' quantized outputs, then each block's MoE experts."""
+    """GPTQ, block by block on the previous blocks' quantized outputs, then each block's MoE experts; or, with
+    ``sequential: false``, every Hessian from one pass of the fp model first (compress/onepass.py)."""
     prefix = layers_name(model)
+    if not cfg.gptq.sequential:
+        hs = onepass.hessians(model, run.batches, cfg.ignore, cfg.gptq.guided, autocast_of(cfg.calib_dtype))
+
+        def from_pass(i: int, block: nn.Module, _) -> None:
+            linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
+            _quantize_linears(i, block, linears, {n: hs.pop((i, n)) for n in linears}, cfg, run)
+        run_blocks(model, from_pass, run.progress, run.store)
+        return
     tw = guided.token_weights(model, run.batches, cfg.ignore) if cfg.gptq.guided else None
 
     def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
-        hessians = observe(block, linears, inputs, None if tw is None else {n: tw.pop((i, n)) for n in linears})
-        for name, lin in linears.items():
-            h = hessians.pop(name)
-            shared = any(other is h for other in hessians.values())  # q/k/v: the last of them takes it
-            res = quantize_weight(lin.weight.data, h.H if shared else h.release(), cfg.scheme, cfg.gptq,
-                                  cfg.weighted_range)
-            run.report.layers.append({"layer": i, "name": name, "loss": res.loss})
-            swap_linear(block, name, lin, res.weight)
+        weights = None if tw is None else {n: tw.pop((i, n)) for n in linears}
+        _quantize_linears(i, block, linears, observe(block, linears, inputs, weights), cfg, run)
         if run.experts is not None:
             run.report.layers.extend(run.experts(i, block, inputs, partial(quantize_expert, cfg=cfg)))
     run_sequential(model, run.batches, per_block, run.progress, autocast_of(cfg.calib_dtype), run.store)

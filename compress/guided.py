@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -23,20 +24,27 @@ from compress.calibrate import decoder_layers, layers_name, target_linears
 log = logging.getLogger(__name__)
 
 TokenWeights = dict[tuple[int, str], list[Tensor]]  # (block index, linear name in the block) -> [batch, seq] per batch
+Key = tuple[int, str]
 
 
-def token_weights(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ...] = ()) -> TokenWeights:
-    """Each quantized linear's per-token weight ``||dL/dy||^2 / mean``, one tensor per calibration batch."""
+def quantized_linears(model: nn.Module, ignore: tuple[str, ...] = ()) -> dict[Key, nn.Linear]:
+    """Every linear the methods quantize, by (block index, name in the block), in the model's order."""
     prefix = layers_name(model)
-    sums: dict[tuple[int, str], list[Tensor]] = {}
-    handles = []
-    for i, block in enumerate(decoder_layers(model)):
-        for name, lin in target_linears(block, ignore, f"{prefix}.{i}.").items():
-            sums[(i, name)] = []
+    return {(i, n): m for i, block in enumerate(decoder_layers(model))
+            for n, m in target_linears(block, ignore, f"{prefix}.{i}.").items()}
 
-            def hook(module, grad_in, grad_out, key=(i, name)):
-                sums[key].append(grad_out[0].detach().float().pow(2).sum(-1).reshape(1, -1))  # [1, seq]
-            handles.append(lin.register_full_backward_hook(hook))
+
+def gradient_pass(model: nn.Module, batches: list[Tensor], linears: dict[Key, nn.Linear],
+                  on_grad: Callable[[Key, Tensor], None], on_input: Callable[[Key, Tensor], None] | None = None) -> None:
+    """The fp model's forward and backward over every calibration sequence, one at a time (one graph and one
+    sequence's logits in memory), under bfloat16 autocast, the next-token cross-entropy summed. ``on_input(key, x)``
+    sees each linear's input in the forward, ``on_grad(key, g)`` the loss gradient at its output ``[1, seq, out]``
+    in the backward (so a sequence's inputs are seen before its gradients). The parameters get no gradients."""
+    handles = [lin.register_full_backward_hook(lambda m, gi, go, key=key: on_grad(key, go[0].detach()))
+               for key, lin in linears.items()]
+    if on_input is not None:
+        handles += [lin.register_forward_pre_hook(lambda m, args, key=key: on_input(key, args[0].detach()))
+                    for key, lin in linears.items()]
     # the parameters need no gradient: the embeddings' output is where the graph starts
     handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
     frozen = [(p, p.requires_grad) for p in model.parameters()]
@@ -45,7 +53,7 @@ def token_weights(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ..
     log.info("guided: the fp model's forward and backward over %d calibration batches", len(batches))
     t0 = time.perf_counter()
     try:
-        for ids in (row for b in batches for row in b.split(1)):  # one sequence at a time: one graph, one logits
+        for ids in (row for b in batches for row in b.split(1)):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = model(input_ids=ids, use_cache=False).logits
             loss = nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
@@ -56,6 +64,19 @@ def token_weights(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ..
         for p, was in frozen:
             p.requires_grad_(was)
     log.info("guided: gradients in %.0f s", time.perf_counter() - t0)
+
+
+def token_weight(g: Tensor) -> Tensor:
+    """A sequence's per-token weights ``[1, tokens]`` from the gradient ``g: [..., out]`` at a linear's output:
+    ``||g||^2``."""
+    return g.float().pow(2).sum(-1).reshape(1, -1)
+
+
+def token_weights(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ...] = ()) -> TokenWeights:
+    """Each quantized linear's per-token weight ``||dL/dy||^2 / mean``, one tensor per calibration batch."""
+    linears = quantized_linears(model, ignore)
+    sums: dict[Key, list[Tensor]] = {key: [] for key in linears}
+    gradient_pass(model, batches, linears, lambda key, g: sums[key].append(token_weight(g)))
     sizes = [b.shape[0] for b in batches]
     out: TokenWeights = {}
     for key, rows in sums.items():  # backward visits each sequence once: the rows are in calibration order

@@ -90,8 +90,12 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
     activations = 3 * tokens * hidden * 4  # a block's inputs, its outputs, and one batch's intermediates
     statistics = 0
     if cfg.gptq_rounding:
-        # the Hessians, then GPTQ's working copy of the widest and the next factor made from it (compress/gptq.py)
-        statistics = sum(m.in_features ** 2 for m in linears) * 4 + 2 * widest ** 2 * 4
+        # the Hessians, then GPTQ's working copy of the widest and the next factor made from it (compress/gptq.py);
+        # sequential: false holds every block's at once (compress/onepass.py), and no block's activations
+        blocks = 1 if cfg.gptq.sequential else len(layers)
+        statistics = blocks * sum(m.in_features ** 2 for m in linears) * 4 + 2 * widest ** 2 * 4
+        if not cfg.gptq.sequential:
+            activations = 0 if cfg.gptq.guided else cfg.batch_size * cfg.seqlen * (6 * hidden + 2 * widest) * 4
     if cfg.method == "awq":
         statistics += len(linears) * cfg.awq.search_tokens * widest * 4
     if streamed:  # one fp32 block, its stored copy while loading, the packed result
@@ -103,7 +107,8 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
     gradients = 0
     if cfg.gptq_rounding and cfg.gptq.guided:  # compress/guided.py: one sequence's graph, its logits, the weights
         graph = 5 * cfg.seqlen * (10 * hidden + 4 * widest) * 4 * len(layers) + cfg.seqlen * text.vocab_size * 32
-        gradients = graph + len(linears) * len(layers) * cfg.nsamples * cfg.seqlen * 4
+        kept = len(linears) * len(layers) * cfg.nsamples * cfg.seqlen * 4 if cfg.gptq.sequential else 0  # the weights
+        gradients = graph + kept
     return MemoryPlan(whole + block, activations, statistics, training, gradients)
 
 

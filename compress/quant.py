@@ -109,7 +109,8 @@ def mse_params(w: Tensor, scheme: Scheme, col_weight: Tensor | None = None, grid
     """Like :func:`find_params`, but each row's range ``[lo, hi]`` is shrunk by the factor in
     ``[1 - max_shrink, 1]`` (steps of ``1 / grid``) that minimises ``sum_j c_j |w_j - dq(w_j)|^norm``,
     with ``c = col_weight`` (e.g. the Hessian diagonal; ones when None): the reference GPTQ's ``mse``
-    grid, optionally importance-weighted. Integer format only."""
+    grid, optionally importance-weighted. ``col_weight`` is ``[k]``, or ``[rows, k]`` to weigh each row's
+    columns apart (many groups stacked as rows). Integer format only."""
     if scheme.format != "int":
         raise ValueError(f"mse_params needs format 'int', got {scheme.format!r}")
     w = w.float()
@@ -121,7 +122,8 @@ def mse_params(w: Tensor, scheme: Scheme, col_weight: Tensor | None = None, grid
         p = 1 - k / grid
         s, z = find_params(w * p, scheme)  # shrinking w by p shrinks its range by p (0 stays inside)
         s1, z1 = s[:, None], None if z is None else z[:, None]
-        err = (dequantize(quantize(w, s1, z1, row), s1, z1, row) - w).abs_().pow_(norm) @ c
+        err = (dequantize(quantize(w, s1, z1, row), s1, z1, row) - w).abs_().pow_(norm)
+        err = (err * c).sum(1)  # c: [k] or [rows, k]
         if best_err is None:
             best_err = err
             continue

@@ -99,3 +99,22 @@ def test_released_hessian_peaks_at_two_matrices():
     matrices = (peak_rss() - before) / (d_in * d_in * 4)
     assert h.H is None
     assert matrices < 1.5, matrices  # the released H was already resident: one more matrix at a time
+
+
+@pytest.mark.parametrize("d_in,g,sym,mse,weighted_range", [(40, 64, False, True, False), (200, 64, False, True, False), (256, 64, True, True, False),
+                                                          (200, 64, False, False, False), (200, 64, False, False, True),
+                                                          (130, 32, True, False, True)])
+def test_static_params_equal_the_group_by_group_search(d_in, g, sym, mse, weighted_range):
+    """Static groups' qparams come from a few stacked calls; they must be exactly what each group alone gets."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(48, d_in, generator=gen)
+    w[:, 3] *= 20
+    hdiag = torch.rand(d_in, generator=gen) + 0.1
+    scheme = Scheme(4, g, sym)
+    one = gptq._group_params(scheme, g, mse, weighted_range)
+    want = [one(w[:, j * g:(j + 1) * g], hdiag[j * g:(j + 1) * g]) for j in range(scheme.n_groups(d_in))]
+    got = gptq._static_params(w, hdiag, scheme, g, mse, weighted_range, chunk=5 * g)  # several chunks
+    assert len(got) == len(want)
+    for (s, z), (s0, z0) in zip(got, want):
+        assert torch.equal(s, s0)
+        assert (z is None and z0 is None) or torch.equal(z, z0)

@@ -31,13 +31,14 @@ READS = {
     "rtn": SCHEME,
     "nf4": SCHEME - {"bits", "sym"},
     "gptq": SCHEME | {"calib_dtype", "weighted_range"} | GPTQ,
-    "awq": SCHEME | {"calib_dtype", "weighted_range", "seed"} | AWQ | GPTQ,  # gptq's under rounding: gptq
+    "awq": SCHEME | {"calib_dtype", "weighted_range", "seed"} | AWQ | GPTQ - {"sequential"},  # under rounding: gptq
     "qat": SCHEME | {"seed", "batch_size", "train_dtype"} | QAT
            | {"calib_dtype", "weighted_range"} | AWQ - {"rounding"},  # the awq options under init: awq
 }
 # a MoE model's experts read the same (qat refuses MoE models), and how many routed tokens calibrate one
-# (guided GPTQ weights the dense linears' tokens only: the experts are compared alone here, so it is not listed)
-MOE_READS = {m: READS[m] - {"guided"} | ({"moe_min_tokens"} if m in ("gptq", "awq") else set())
+# (guided GPTQ weights the dense linears' tokens only: the experts are compared alone here, so it is not listed;
+# sequential: false is refused on a MoE model, tests/compress/test_onepass.py)
+MOE_READS = {m: READS[m] - {"guided", "sequential"} | ({"moe_min_tokens"} if m in ("gptq", "awq") else set())
              for m in ("rtn", "nf4", "gptq", "awq")}
 # the settings under which a field matters
 CONTEXT = {**{("awq", f): {"rounding": "gptq"} for f in GPTQ},
@@ -64,7 +65,8 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
     "calib_dtype": {m: "data-free: no block forwards" for m in DATA_FREE},
     "weighted_range": {m: REFUSED for m in DATA_FREE},
     "damp": {m: "GPTQ's rounding only" for m in (*DATA_FREE, "qat")},
-    **{f: {m: REFUSED for m in (*DATA_FREE, "qat")} for f in GPTQ - {"damp"}},
+    **{f: {m: REFUSED for m in (*DATA_FREE, "qat")} for f in GPTQ - {"damp", "sequential"}},
+    "sequential": {m: REFUSED for m in (*DATA_FREE, "qat", "awq")},
     **{f: {m: "AWQ's searches only" for m in ("rtn", "nf4", "gptq")} for f in AWQ - {"rounding"}},
     "rounding": {m: REFUSED for m in ("rtn", "nf4", "gptq", "qat")},
     **{f: {m: "QAT only" for m in PTQ} for f in QAT},
@@ -73,7 +75,8 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
 }
 CHANGE = {
     "bits": 3, "group_size": 16, "sym": True, "seed": 1, "batch_size": 4, "calib_dtype": "bfloat16",
-    "damp": 0.5, "act_order": True, "static_groups": True, "mse": True, "guided": True, "weighted_range": True,
+    "damp": 0.5, "act_order": True, "static_groups": True, "mse": True, "guided": True, "sequential": False,
+    "weighted_range": True,
     "grid": 3, "duo_scaling": False, "clip": False, "search_tokens": 8, "clip_tokens": 4, "clip_grid": 4,
     "rounding": "gptq", "init": "awq", "steps": 3, "lr": 1e-2, "scale_lr": 0.0, "learn_zero": True,
     "train_dtype": "bfloat16", "ignore": ("lm_head", "o_proj"), "moe_min_tokens": 10_000,
@@ -84,11 +87,13 @@ MOE_CHANGE = {"ignore": (*MOE_FP, r"mlp\.experts$")}
 BASE = {"bits": 4, "group_size": 32, "search_tokens": 16, "grid": 5, "clip_grid": 5}  # small searches: fast
 METHOD_BASE = {"qat": {"steps": 2, "lr": 1e-3, "scale_lr": 0.4, "batch_size": 2, "train_dtype": "float32"}}
 KIND_BASE = {"dense": {}, "moe": {"moe_min_tokens": 8, "ignore": MOE_FP}}
+# fields that need more than one block to matter (one block's inputs are the embeddings whatever the order)
+LAYERS = {"sequential": 2}
 
 
 @functools.cache
-def _model(kind: str):
-    model = tiny_model("llama" if kind == "dense" else "qwen2_moe", layers=1)
+def _model(kind: str, layers: int = 1):
+    model = tiny_model("llama" if kind == "dense" else "qwen2_moe", layers=layers)
     with torch.no_grad():  # a router that prefers some experts
         for n, p in model.named_parameters():
             if n.endswith("mlp.gate.weight"):
@@ -100,11 +105,11 @@ BATCHES = list(torch.randint(0, 256, (8, 16), generator=torch.Generator().manual
 _cache: dict = {}
 
 
-def _digest(kind: str, fields: dict) -> str:
+def _digest(kind: str, fields: dict, layers: int = 1) -> str:
     """Hash of what quantizing with ``fields`` writes (a MoE model: its experts alone)."""
-    key = (kind, tuple(sorted(fields.items())))
+    key = (kind, layers, tuple(sorted(fields.items())))
     if key not in _cache:
-        model = copy.deepcopy(_model(kind))
+        model = copy.deepcopy(_model(kind, layers))
         quantize_model(model, QuantizeConfig.from_flat(**fields), BATCHES)
         h = hashlib.sha256()
         for k, t in sorted(model.state_dict().items()):
@@ -127,7 +132,8 @@ def test_a_field_the_method_reads_changes_its_result(kind, method, field):
             **CONTEXT.get((method, field), {})}
     value = (MOE_CHANGE if kind == "moe" else {}).get(field, CHANGE[field])
     assert base.get(field) != value
-    assert _digest(kind, {**base, field: value}) != _digest(kind, base), f"{method} ignores {field} ({kind})"
+    layers = LAYERS.get(field, 1)
+    assert _digest(kind, {**base, field: value}, layers) != _digest(kind, base, layers), f"{method} ignores {field} ({kind})"
 
 
 GQA = {"method": "rtn", "bits": 8, "group_size": 32, "kv_heads": 1, "kv_init": "mean"}

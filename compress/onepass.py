@@ -1,0 +1,71 @@
+"""Every quantized linear's GPTQ Hessian from one pass of the fp model (``sequential: false``).
+
+GPTQ as the reference runs it goes block by block: a block's Hessians are taken on the outputs of the blocks
+before it, already quantized, so its rounding can answer their errors. That costs two forwards of every block
+on all calibration tokens (one to collect, one to hand the quantized outputs on). Taking every Hessian from the
+fp model instead (llm-compressor's "basic" pipeline) costs one pass of the model and no block forwards; under
+guided GPTQ that pass is the gradient pass it runs anyway, so the Hessians come with the token weights.
+
+What it costs: every Hessian is held at once (the sum of ``in_features^2`` over the model's linears, fp32), and
+the whole model is in memory for the pass, so it does not stream.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from compress.calibrate import decoder_layers
+from compress.hessian import Hessian, InputOwners
+from compress.guided import Key, gradient_pass, quantized_linears, token_weight
+
+
+class _Done(Exception):
+    """Raised after the last decoder block: the pass needs the linears' inputs, not the logits."""
+
+
+def _stop(module, args, out):
+    raise _Done
+
+
+def hessians(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ...] = (), guided: bool = False,
+             autocast: torch.dtype | None = None) -> dict[Key, Hessian]:
+    """Each quantized linear's Hessian over the calibration batches, by (block index, name in the block), its
+    products computed in ``autocast`` (the recipe's calib_dtype) when given.
+    - Plain: one forward, under ``autocast``; linears fed the very same tensor (q/k/v) share one Hessian object.
+    - ``guided``: the gradient pass (compress/guided.py); every linear has its own Hessian, each token counted by
+      its weight ``||dL/dy||^2``, normalised to mean 1 as :func:`compress.guided.token_weights` does."""
+    linears = quantized_linears(model, ignore)
+    hs = {key: Hessian.zeros(m.in_features, autocast or torch.float32) for key, m in linears.items()}
+    if guided:
+        inputs: dict[Key, Tensor] = {}
+        mass = dict.fromkeys(linears, 0.0)
+
+        def on_grad(key: Key, g: Tensor) -> None:
+            w = token_weight(g)
+            mass[key] += float(w.sum())
+            hs[key].add(inputs.pop(key), w)
+        gradient_pass(model, batches, linears, on_grad, inputs.__setitem__)
+        for key, h in hs.items():  # 2 sum(w x x^T) / sum(w): the weights at mean 1 over all tokens
+            h.H.mul_(h.n / max(mass[key], 1e-30))
+        return hs
+    owners = InputOwners()
+
+    def hook(key: Key):
+        def fn(module, args):
+            if owners.owns(key, args[0]):
+                hs[key].add(args[0])
+        return fn
+    handles = [m.register_forward_pre_hook(hook(key)) for key, m in linears.items()]
+    handles.append(decoder_layers(model)[-1].register_forward_hook(_stop))
+    try:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=autocast or torch.bfloat16,
+                                                    enabled=autocast is not None):
+            for ids in batches:
+                try:
+                    model(input_ids=ids, use_cache=False)
+                except _Done:
+                    pass
+    finally:
+        for h in handles:
+            h.remove()
+    return {key: hs[owners.owner[key]] for key in linears}
