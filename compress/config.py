@@ -42,6 +42,9 @@ class GPTQOptions:
     # weight each token in the Hessians by the squared loss gradient at the linear's output (compress/guided.py):
     # one forward and backward pass of the whole fp model first; not streamed
     guided: bool = False
+    # the gradient-weighted Hessian's share in the one GPTQ uses, the plain Hessian (every token once) the rest:
+    # 1 is GuidedQuant's; below it the few tokens with the largest gradients weigh less (BENCHMARKS.md, issue 17)
+    guided_mix: float = 1.0
     # False: every Hessian from one pass of the fp model (compress/onepass.py; with guided, the gradient pass itself),
     # no block-by-block forwards of the quantized blocks: faster, all Hessians held at once; not streamed
     sequential: bool = True
@@ -50,6 +53,10 @@ class GPTQOptions:
         if not 0 < self.damp < 1:
             raise ValueError(f"damp={self.damp} must be in (0, 1), e.g. 0.01")
         _at_least_one(self, ("block_size",))
+        if not 0 < self.guided_mix <= 1:
+            raise ValueError(f"guided_mix={self.guided_mix} must be in (0, 1], e.g. 0.5")
+        if self.guided_mix != 1 and not self.guided:
+            raise ValueError(f"guided_mix={self.guided_mix} mixes guided GPTQ's Hessians; set guided: true too")
 
 
 @dataclass(frozen=True)

@@ -39,11 +39,12 @@ def gradient_pass(model: nn.Module, batches: list[Tensor], linears: dict[Key, nn
     """The fp model's forward and backward over every calibration sequence, one at a time (one graph and one
     sequence's logits in memory), under bfloat16 autocast, the next-token cross-entropy summed. ``on_input(key, x)``
     sees each linear's input in the forward, ``on_grad(key, g)`` the loss gradient at its output ``[1, seq, out]``
-    in the backward (so a sequence's inputs are seen before its gradients). The parameters get no gradients."""
+    in the backward (so a sequence's inputs are seen before its gradients; linears fed the same tensor are given
+    that very object, still in the graph: detach it to keep it). The parameters get no gradients."""
     handles = [lin.register_full_backward_hook(lambda m, gi, go, key=key: on_grad(key, go[0].detach()))
                for key, lin in linears.items()]
     if on_input is not None:
-        handles += [lin.register_forward_pre_hook(lambda m, args, key=key: on_input(key, args[0].detach()))
+        handles += [lin.register_forward_pre_hook(lambda m, args, key=key: on_input(key, args[0]))
                     for key, lin in linears.items()]
     # the parameters need no gradient: the embeddings' output is where the graph starts
     handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
@@ -72,8 +73,9 @@ def token_weight(g: Tensor) -> Tensor:
     return g.float().pow(2).sum(-1).reshape(1, -1)
 
 
-def token_weights(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ...] = ()) -> TokenWeights:
-    """Each quantized linear's per-token weight ``||dL/dy||^2 / mean``, one tensor per calibration batch."""
+def token_weights(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ...] = (), mix: float = 1.0) -> TokenWeights:
+    """Each quantized linear's per-token weight ``mix * ||dL/dy||^2 / mean + (1 - mix)``, one tensor per calibration
+    batch: the Hessian they weigh is ``mix`` parts the gradient-weighted one and ``1 - mix`` the plain one."""
     linears = quantized_linears(model, ignore)
     sums: dict[Key, list[Tensor]] = {key: [] for key in linears}
     gradient_pass(model, batches, linears, lambda key, g: sums[key].append(token_weight(g)))
@@ -81,5 +83,5 @@ def token_weights(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ..
     out: TokenWeights = {}
     for key, rows in sums.items():  # backward visits each sequence once: the rows are in calibration order
         w = torch.cat(rows)
-        out[key] = list((w / w.mean().clamp_min(1e-30)).split(sizes))
+        out[key] = list((mix * w / w.mean().clamp_min(1e-30) + (1 - mix)).split(sizes))
     return out

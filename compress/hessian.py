@@ -60,3 +60,7 @@ class InputOwners:
             self.owner[key] = rep[0] if rep is not None and rep[1] is x else key
             self._first.setdefault(x.data_ptr(), (key, x))
         return self.owner[key] == key
+
+    def forget(self) -> None:
+        """Drop the first inputs once every linear's owner is known (the decisions stay)."""
+        self._first.clear()

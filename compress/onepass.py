@@ -28,26 +28,18 @@ def _stop(module, args, out):
 
 
 def hessians(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ...] = (), guided: bool = False,
-             autocast: torch.dtype | None = None) -> dict[Key, Hessian]:
+             autocast: torch.dtype | None = None, mix: float = 1.0) -> dict[Key, Hessian]:
     """Each quantized linear's Hessian over the calibration batches, by (block index, name in the block), its
     products computed in ``autocast`` (the recipe's calib_dtype) when given.
     - Plain: one forward, under ``autocast``; linears fed the very same tensor (q/k/v) share one Hessian object.
-    - ``guided``: the gradient pass (compress/guided.py); every linear has its own Hessian, each token counted by
-      its weight ``||dL/dy||^2``, normalised to mean 1 as :func:`compress.guided.token_weights` does."""
+    - ``guided``: the gradient pass (compress/guided.py); every linear has its own Hessian, ``mix`` parts the one
+      with each token counted by its weight ``||dL/dy||^2`` (normalised to mean 1) and ``1 - mix`` the plain one,
+      as :func:`compress.guided.token_weights` with ``mix`` weighs them."""
     linears = quantized_linears(model, ignore)
-    hs = {key: Hessian.zeros(m.in_features, autocast or torch.float32) for key, m in linears.items()}
+    product = autocast or torch.float32
+    hs = {key: Hessian.zeros(m.in_features, product) for key, m in linears.items()}
     if guided:
-        inputs: dict[Key, Tensor] = {}
-        mass = dict.fromkeys(linears, 0.0)
-
-        def on_grad(key: Key, g: Tensor) -> None:
-            w = token_weight(g)
-            mass[key] += float(w.sum())
-            hs[key].add(inputs.pop(key), w)
-        gradient_pass(model, batches, linears, on_grad, inputs.__setitem__)
-        for key, h in hs.items():  # 2 sum(w x x^T) / sum(w): the weights at mean 1 over all tokens
-            h.H.mul_(h.n / max(mass[key], 1e-30))
-        return hs
+        return _guided(model, batches, linears, hs, mix)
     owners = InputOwners()
 
     def hook(key: Key):
@@ -65,7 +57,32 @@ def hessians(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ...] = 
                     model(input_ids=ids, use_cache=False)
                 except _Done:
                     pass
+                owners.forget()  # every owner is known after the first batch
     finally:
         for h in handles:
             h.remove()
     return {key: hs[owners.owner[key]] for key in linears}
+
+
+def _guided(model: nn.Module, batches: list[Tensor], linears: dict[Key, nn.Linear], hs: dict[Key, Hessian],
+            mix: float) -> dict[Key, Hessian]:
+    inputs: dict[Key, Tensor] = {}
+    mass = dict.fromkeys(linears, 0.0)
+    owners = InputOwners()  # the plain Hessians (mix < 1), shared as the plain pass shares them
+    plain: dict[Key, Hessian] = {}
+
+    def on_grad(key: Key, g: Tensor) -> None:
+        x = inputs.pop(key)
+        w = token_weight(g)
+        mass[key] += float(w.sum())
+        hs[key].add(x.detach(), w)
+        if mix < 1 and owners.owns(key, x):
+            plain.setdefault(key, Hessian.zeros(x.shape[-1], hs[key].product)).add(x.detach())
+        if len(owners.owner) == len(linears):  # every owner known: let the first sequence's inputs go
+            owners.forget()
+    gradient_pass(model, batches, linears, on_grad, inputs.__setitem__)
+    for key, h in hs.items():  # 2 sum(w x x^T) / sum(w): the weights at mean 1 over all tokens
+        h.H.mul_(mix * h.n / max(mass[key], 1e-30))
+        if mix < 1:
+            h.H.add_(plain[owners.owner[key]].H, alpha=1 - mix)
+    return hs

@@ -96,3 +96,23 @@ def test_bfloat16_products_stay_close_to_float32():
     assert all(h.product == torch.bfloat16 for h in low.values())
     for key, h in full.items():
         assert torch.allclose(low[key].H, h.H, rtol=0.05, atol=0.02 * h.H.abs().max()), key
+
+
+@pytest.mark.parametrize("mix", [0.5, 0.25])
+def test_mixed_hessians_are_the_weighted_and_plain_ones_in_proportion(mix):
+    model = tiny_model("llama", layers=2)
+    weighted = onepass.hessians(model, BATCHES, guided=True)
+    plain = onepass.hessians(model, BATCHES, autocast=torch.bfloat16)  # as the guided pass sees the inputs, to rounding
+    mixed = onepass.hessians(model, BATCHES, guided=True, mix=mix)
+    want_seq = _block_by_block(model, token_weights(model, BATCHES, mix=mix))  # the sequential pass's weights
+    for key, h in mixed.items():
+        want = mix * weighted[key].H + (1 - mix) * plain[key].H
+        assert torch.allclose(h.H, want, rtol=0.01, atol=0.01 * want.abs().max()), key
+        assert torch.allclose(h.H, want_seq[key].H, rtol=0.05, atol=0.05 * want.abs().max()), key
+
+
+def test_guided_mix_needs_guided():
+    with pytest.raises(ValueError, match="guided_mix=0.5 mixes guided GPTQ's Hessians"):
+        QuantizeConfig.from_flat(method="gptq", guided_mix=0.5)
+    with pytest.raises(ValueError, match="guided_mix=0 must be in"):
+        QuantizeConfig.from_flat(method="gptq", guided=True, guided_mix=0)
