@@ -41,11 +41,18 @@ def gradient_pass(model: nn.Module, batches: list[Tensor], linears: dict[Key, nn
     sees each linear's input in the forward, ``on_grad(key, g)`` the loss gradient at its output ``[1, seq, out]``
     in the backward (so a sequence's inputs are seen before its gradients; linears fed the same tensor are given
     that very object, still in the graph: detach it to keep it). The parameters get no gradients."""
-    handles = [lin.register_full_backward_hook(lambda m, gi, go, key=key: on_grad(key, go[0].detach()))
-               for key, lin in linears.items()]
+    def backward_hook(key: Key):
+        def fn(module, grad_in, grad_out) -> None:  # returns None: the gradients flow on unchanged
+            on_grad(key, grad_out[0].detach())
+        return fn
+
+    def input_hook(key: Key):
+        def fn(module, args) -> None:
+            on_input(key, args[0])
+        return fn
+    handles = [lin.register_full_backward_hook(backward_hook(key)) for key, lin in linears.items()]
     if on_input is not None:
-        handles += [lin.register_forward_pre_hook(lambda m, args, key=key: on_input(key, args[0]))
-                    for key, lin in linears.items()]
+        handles += [lin.register_forward_pre_hook(input_hook(key)) for key, lin in linears.items()]
     # the parameters need no gradient: the embeddings' output is where the graph starts
     handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
     frozen = [(p, p.requires_grad) for p in model.parameters()]

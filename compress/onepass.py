@@ -64,25 +64,37 @@ def hessians(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ...] = 
     return {key: hs[owners.owner[key]] for key in linears}
 
 
+def _outer(x: Tensor, w: Tensor | None, product: torch.dtype) -> Tensor:
+    """``x^T diag(w) x`` for ``x: [..., in]`` and token weights ``w: [...]``, computed in ``product``."""
+    x = x.detach().reshape(-1, x.shape[-1]).float()
+    if w is not None:
+        x = x * w.reshape(-1, 1).sqrt()
+    x = x.to(product)
+    return x.T @ x
+
+
 def _guided(model: nn.Module, batches: list[Tensor], linears: dict[Key, nn.Linear], hs: dict[Key, Hessian],
             mix: float) -> dict[Key, Hessian]:
+    """The sums of ``w x x^T`` (and of ``x x^T``, mix < 1) over every token, then ``hs`` their normalised mix. The sums
+    are plain running totals in float32 (``hs``' own matrices): one addition per sequence, no rescaling."""
     inputs: dict[Key, Tensor] = {}
     mass = dict.fromkeys(linears, 0.0)
-    owners = InputOwners()  # the plain Hessians (mix < 1), shared as the plain pass shares them
-    plain: dict[Key, Hessian] = {}
+    plain: dict[Key, Tensor] = {}
+    owners = InputOwners()  # the plain sums are shared as the plain pass shares its Hessians
 
     def on_grad(key: Key, g: Tensor) -> None:
-        x = inputs.pop(key)
-        w = token_weight(g)
+        x, w, h = inputs.pop(key), token_weight(g), hs[key]
         mass[key] += float(w.sum())
-        hs[key].add(x.detach(), w)
+        h.H.add_(_outer(x, w, h.product))
         if mix < 1 and owners.owns(key, x):
-            plain.setdefault(key, Hessian.zeros(x.shape[-1], hs[key].product)).add(x.detach())
+            plain.setdefault(key, torch.zeros_like(h.H)).add_(_outer(x, None, h.product))
         if len(owners.owner) == len(linears):  # every owner known: let the first sequence's inputs go
             owners.forget()
     gradient_pass(model, batches, linears, on_grad, inputs.__setitem__)
-    for key, h in hs.items():  # 2 sum(w x x^T) / sum(w): the weights at mean 1 over all tokens
-        h.H.mul_(mix * h.n / max(mass[key], 1e-30))
+    tokens = sum(b.numel() for b in batches)
+    for key, h in hs.items():  # 2 (mix sum(w x x^T) / sum(w) + (1 - mix) sum(x x^T) / n)
+        h.H.mul_(2 * mix / max(mass[key], 1e-30))
+        h.n = tokens
         if mix < 1:
-            h.H.add_(plain[owners.owner[key]].H, alpha=1 - mix)
+            h.H.add_(plain[owners.owner[key]], alpha=2 * (1 - mix) / tokens)
     return hs
