@@ -313,7 +313,8 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     model's map, then clip and round each linear; then each block's MoE experts."""
     bmap = block_map(model.config.model_type)
     prefix = layers_name(model)
-    tw = guided.token_weights(model, run.batches, cfg.ignore, cfg.gptq.guided_mix) if cfg.gptq.guided else None
+    tw = guided.token_weights(model, run.batches, cfg.ignore, cfg.gptq.guided_mix,
+                                 cfg.gptq.guided_nsamples) if cfg.gptq.guided else None
 
     def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")

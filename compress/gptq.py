@@ -223,14 +223,15 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     prefix = layers_name(model)
     if not cfg.gptq.sequential:
         hs = onepass.hessians(model, run.batches, cfg.ignore, cfg.gptq.guided, autocast_of(cfg.calib_dtype),
-                              cfg.gptq.guided_mix)
+                              cfg.gptq.guided_mix, cfg.gptq.guided_nsamples)
 
         def from_pass(i: int, block: nn.Module, _) -> None:
             linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
             _quantize_linears(i, block, linears, {n: hs.pop((i, n)) for n in linears}, cfg, run)
         run_blocks(model, from_pass, run.progress, run.store)
         return
-    tw = guided.token_weights(model, run.batches, cfg.ignore, cfg.gptq.guided_mix) if cfg.gptq.guided else None
+    tw = guided.token_weights(model, run.batches, cfg.ignore, cfg.gptq.guided_mix,
+                                 cfg.gptq.guided_nsamples) if cfg.gptq.guided else None
 
     def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")

@@ -80,15 +80,21 @@ def token_weight(g: Tensor) -> Tensor:
     return g.float().pow(2).sum(-1).reshape(1, -1)
 
 
-def token_weights(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ...] = (), mix: float = 1.0) -> TokenWeights:
-    """Each quantized linear's per-token weight ``mix * ||dL/dy||^2 / mean + (1 - mix)``, one tensor per calibration
-    batch: the Hessian they weigh is ``mix`` parts the gradient-weighted one and ``1 - mix`` the plain one."""
+def token_weights(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ...] = (), mix: float = 1.0,
+                  nsamples: int = 0) -> TokenWeights:
+    """Each quantized linear's per-token weight, one tensor per calibration batch: ``mix * ||dL/dy||^2 / m + (1 -
+    mix)``, the gradient pass covering the first ``nsamples`` sequences (0: all; the others' gradient term is 0), ``m``
+    the mean over every token. The Hessian they weigh is ``mix`` parts the gradient-weighted one over the covered
+    tokens and ``1 - mix`` the plain one over all."""
     linears = quantized_linears(model, ignore)
     sums: dict[Key, list[Tensor]] = {key: [] for key in linears}
-    gradient_pass(model, batches, linears, lambda key, g: sums[key].append(token_weight(g)))
+    rows = torch.cat(batches)
+    k = nsamples or rows.shape[0]
+    gradient_pass(model, list(rows[:k].split(batches[0].shape[0])), linears,
+                  lambda key, g: sums[key].append(token_weight(g)))
     sizes = [b.shape[0] for b in batches]
     out: TokenWeights = {}
-    for key, rows in sums.items():  # backward visits each sequence once: the rows are in calibration order
-        w = torch.cat(rows)
+    for key, covered in sums.items():  # backward visits each sequence once: the rows are in calibration order
+        w = torch.cat(covered + [torch.zeros(rows.shape[0] - k, rows.shape[1])])
         out[key] = list((mix * w / w.mean().clamp_min(1e-30) + (1 - mix)).split(sizes))
     return out

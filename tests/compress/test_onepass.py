@@ -116,3 +116,24 @@ def test_guided_mix_needs_guided():
         QuantizeConfig.from_flat(method="gptq", guided_mix=0.5)
     with pytest.raises(ValueError, match="guided_mix=0 must be in"):
         QuantizeConfig.from_flat(method="gptq", guided=True, guided_mix=0)
+
+
+def test_guided_nsamples_weighs_the_first_sequences_and_keeps_every_plain_one():
+    model = tiny_model("llama", layers=2)
+    mix, k = 0.5, 3
+    got = onepass.hessians(model, BATCHES, guided=True, mix=mix, guided_nsamples=k)
+    first = list(torch.cat(BATCHES)[:k].split(2))
+    weighted = onepass.hessians(model, first, guided=True)
+    plain = onepass.hessians(model, BATCHES, autocast=torch.bfloat16)
+    want_seq = _block_by_block(model, token_weights(model, BATCHES, mix=mix, nsamples=k))
+    for key, h in got.items():
+        want = mix * weighted[key].H + (1 - mix) * plain[key].H
+        assert torch.allclose(h.H, want, rtol=0.01, atol=0.01 * want.abs().max()), key
+        assert torch.allclose(h.H, want_seq[key].H, rtol=0.05, atol=0.05 * want.abs().max()), key
+
+
+def test_guided_nsamples_is_checked():
+    with pytest.raises(ValueError, match="guided_nsamples=2 leaves the other sequences to the plain Hessian"):
+        QuantizeConfig.from_flat(method="gptq", guided=True, guided_nsamples=2)  # mix 1: nothing would use them
+    with pytest.raises(ValueError, match="guided_nsamples=9 is more than nsamples=8"):
+        QuantizeConfig.from_flat(method="gptq", guided=True, guided_mix=0.5, guided_nsamples=9, nsamples=8)

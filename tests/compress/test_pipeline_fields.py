@@ -38,11 +38,13 @@ READS = {
 # a MoE model's experts read the same (qat refuses MoE models), and how many routed tokens calibrate one
 # (guided GPTQ weights the dense linears' tokens only: the experts are compared alone here, so it is not listed;
 # sequential: false is refused on a MoE model, tests/compress/test_onepass.py)
-MOE_READS = {m: READS[m] - {"guided", "guided_mix", "sequential"} | ({"moe_min_tokens"} if m in ("gptq", "awq") else set())
+MOE_READS = {m: READS[m] - {"guided", "guided_mix", "guided_nsamples", "sequential"} | ({"moe_min_tokens"} if m in ("gptq", "awq") else set())
              for m in ("rtn", "nf4", "gptq", "awq")}
 # the settings under which a field matters
 CONTEXT = {**{("awq", f): {"rounding": "gptq"} for f in GPTQ},
            ("gptq", "guided_mix"): {"guided": True}, ("awq", "guided_mix"): {"rounding": "gptq", "guided": True},
+           ("gptq", "guided_nsamples"): {"guided": True, "guided_mix": 0.5},
+           ("awq", "guided_nsamples"): {"rounding": "gptq", "guided": True, "guided_mix": 0.5},
            **{("qat", f): {"init": "awq"} for f in AWQ | {"calib_dtype", "weighted_range"}},
            ("qat", "learn_zero"): {"steps": 4, "scale_lr": 0.9}}  # zeros move only where codes clamp
 # read before any method (rotation, KV-head conversion and its uptraining), by compress/pipeline.py
@@ -76,7 +78,8 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
 }
 CHANGE = {
     "bits": 3, "group_size": 16, "sym": True, "seed": 1, "batch_size": 4, "calib_dtype": "bfloat16",
-    "damp": 0.5, "act_order": True, "static_groups": True, "mse": True, "guided": True, "guided_mix": 0.5, "sequential": False,
+    "damp": 0.5, "act_order": True, "static_groups": True, "mse": True, "guided": True, "guided_mix": 0.5, "guided_nsamples": 2,
+    "sequential": False,
     "weighted_range": True,
     "grid": 3, "duo_scaling": False, "clip": False, "search_tokens": 8, "clip_tokens": 4, "clip_grid": 4,
     "rounding": "gptq", "init": "awq", "steps": 3, "lr": 1e-2, "scale_lr": 0.0, "learn_zero": True,
