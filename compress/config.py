@@ -45,8 +45,8 @@ class GPTQOptions:
     # the gradient-weighted Hessian's share in the one GPTQ uses, the plain Hessian (every token once) the rest:
     # 1 is GuidedQuant's; below it the few tokens with the largest gradients weigh less (BENCHMARKS.md, issue 17)
     guided_mix: float = 1.0
-    # the gradient pass covers the first guided_nsamples calibration sequences (0: all); the plain Hessian still
-    # takes them all (a forward pass covers the rest): about half the pass's time at half (BENCHMARKS.md)
+    # the gradient pass covers the first guided_nsamples calibration sequences (0, or more than nsamples: all); the
+    # plain Hessian still takes them all (a forward pass covers the rest): about half the pass's time at half
     guided_nsamples: int = 0
     # False: every Hessian from one pass of the fp model (compress/onepass.py; with guided, the gradient pass itself),
     # no block-by-block forwards of the quantized blocks: faster, all Hessians held at once; not streamed
@@ -170,9 +170,6 @@ class QuantizeConfig:
             if getattr(self.gptq, name) and not self.gptq_rounding:
                 raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq) only, "
                                  f"not {self.method!r}")
-        if self.gptq.guided_nsamples > self.nsamples:
-            raise ValueError(f"guided_nsamples={self.gptq.guided_nsamples} is more than nsamples={self.nsamples}: "
-                             "lower it, or raise nsamples")
         if not self.gptq.sequential and self.method != "gptq":
             raise ValueError(f"sequential: false applies to method gptq only, not {self.method!r} (awq searches its "
                              "scales block by block on the quantized blocks' outputs)")

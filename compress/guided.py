@@ -89,7 +89,7 @@ def token_weights(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ..
     linears = quantized_linears(model, ignore)
     sums: dict[Key, list[Tensor]] = {key: [] for key in linears}
     rows = torch.cat(batches)
-    k = nsamples or rows.shape[0]
+    k = min(nsamples or rows.shape[0], rows.shape[0])
     gradient_pass(model, list(rows[:k].split(batches[0].shape[0])), linears,
                   lambda key, g: sums[key].append(token_weight(g)))
     sizes = [b.shape[0] for b in batches]

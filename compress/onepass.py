@@ -95,7 +95,7 @@ def hessians(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ...] = 
         _forward(model, batches, linears, plain, autocast)
         return plain.hessians(linears, tokens)
     rows = torch.cat(batches)
-    k = guided_nsamples or rows.shape[0]
+    k = min(guided_nsamples or rows.shape[0], rows.shape[0])
     size = batches[0].shape[0]
     inputs: dict[Key, Tensor] = {}
     mass = dict.fromkeys(linears, 0.0)

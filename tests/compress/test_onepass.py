@@ -135,5 +135,9 @@ def test_guided_nsamples_weighs_the_first_sequences_and_keeps_every_plain_one():
 def test_guided_nsamples_is_checked():
     with pytest.raises(ValueError, match="guided_nsamples=2 leaves the other sequences to the plain Hessian"):
         QuantizeConfig.from_flat(method="gptq", guided=True, guided_nsamples=2)  # mix 1: nothing would use them
-    with pytest.raises(ValueError, match="guided_nsamples=9 is more than nsamples=8"):
-        QuantizeConfig.from_flat(method="gptq", guided=True, guided_mix=0.5, guided_nsamples=9, nsamples=8)
+    with pytest.raises(ValueError, match="guided_nsamples=-1 must be >= 1"):
+        QuantizeConfig.from_flat(method="gptq", guided=True, guided_mix=0.5, guided_nsamples=-1)
+    model = tiny_model("llama", layers=1)  # more than there are: all of them
+    every, more = onepass.hessians(model, BATCHES, guided=True, mix=0.5), \
+        onepass.hessians(model, BATCHES, guided=True, mix=0.5, guided_nsamples=99)
+    assert all(torch.equal(every[k].H, more[k].H) for k in every)
