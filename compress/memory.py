@@ -93,6 +93,8 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
         # the Hessians, then GPTQ's working copy of the widest and the next factor made from it (compress/gptq.py);
         # sequential: false holds every block's at once (compress/onepass.py), and no block's activations
         blocks = 1 if cfg.gptq.sequential else len(layers)
+        if not cfg.gptq.sequential and cfg.gptq.guided and cfg.gptq.guided_mix < 1:
+            blocks *= 2  # the plain totals beside the weighted ones (shared by inputs: fewer, counted as many)
         statistics = blocks * sum(m.in_features ** 2 for m in linears) * 4 + 2 * widest ** 2 * 4
         if not cfg.gptq.sequential:
             activations = 0 if cfg.gptq.guided else cfg.batch_size * cfg.seqlen * (6 * hidden + 2 * widest) * 4

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from compress.calibrate import decoder_layers
-from compress.hessian import Hessian, InputOwners
 from compress.guided import Key, gradient_pass, quantized_linears, token_weight
+from compress.hessian import Hessian, InputOwners
 
 
 class _Done(Exception):
