@@ -85,6 +85,11 @@ def swap_linear(block: nn.Module, name: str, lin: nn.Linear, qw: QuantizedWeight
     set_module(block, name, QuantLinear.from_quantized(qw, lin.bias, dtype=lin.weight.dtype))
 
 
+def backbone(model: nn.Module) -> nn.Module:
+    """The decoder stack without the LM head: forwards that need the blocks' inputs skip the logits."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model
+
+
 def _drop_cache_kwargs(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
 
@@ -107,7 +112,7 @@ def capture_inputs(model: nn.Module, batches: list[Tensor], offload: Path | None
     handle = first.register_forward_pre_hook(hook, with_kwargs=True)
     setattr(parent, attr, nn.ModuleList([first]))  # run embeddings + one block, not the whole stack
     try:
-        base = model.get_decoder() if hasattr(model, "get_decoder") else model
+        base = backbone(model)
         for ids in batches:
             base(input_ids=ids, use_cache=False)
     finally:

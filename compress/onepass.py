@@ -14,17 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from compress.calibrate import decoder_layers
+from compress.calibrate import backbone
 from compress.guided import Key, gradient_pass, quantized_linears, token_weight
 from compress.hessian import Hessian, InputOwners
-
-
-class _Done(Exception):
-    """Raised after the last decoder block: the pass needs the linears' inputs, not the logits."""
-
-
-def _stop(module, args, out):
-    raise _Done
 
 
 def _outer(x: Tensor, w: Tensor | None, product: torch.dtype) -> Tensor:
@@ -58,21 +50,17 @@ class _Plain:
 
 def _forward(model: nn.Module, batches: list[Tensor], linears: dict[Key, nn.Linear], plain: _Plain,
              autocast: torch.dtype | None) -> None:
-    """The fp model's forward over ``batches`` up to its last decoder block, each linear's input into ``plain``."""
+    """The fp model's forward over ``batches`` without its head, each linear's input into ``plain``."""
     def hook(key: Key):
         def fn(module, args) -> None:
             plain.add(key, args[0])
         return fn
     handles = [m.register_forward_pre_hook(hook(key)) for key, m in linears.items()]
-    handles.append(decoder_layers(model)[-1].register_forward_hook(_stop))
     try:
         with torch.inference_mode(), torch.autocast("cpu", dtype=autocast or torch.bfloat16,
                                                     enabled=autocast is not None):
             for ids in batches:
-                try:
-                    model(input_ids=ids, use_cache=False)
-                except _Done:
-                    pass
+                backbone(model)(input_ids=ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()

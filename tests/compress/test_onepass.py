@@ -98,17 +98,22 @@ def test_bfloat16_products_stay_close_to_float32():
         assert torch.allclose(low[key].H, h.H, rtol=0.05, atol=0.02 * h.H.abs().max()), key
 
 
+def _assert_mixed(got, weighted, plain, sequential, mix):
+    """``got`` is mix parts ``weighted`` and 1 - mix parts ``plain``, and matches the sequential pass's Hessians
+    (token weights from compress/guided.py) to bfloat16 rounding."""
+    for key, h in got.items():
+        want = mix * weighted[key].H + (1 - mix) * plain[key].H
+        assert torch.allclose(h.H, want, rtol=0.01, atol=0.01 * want.abs().max()), key
+        assert torch.allclose(h.H, sequential[key].H, rtol=0.05, atol=0.05 * want.abs().max()), key
+
+
 @pytest.mark.parametrize("mix", [0.5, 0.25])
 def test_mixed_hessians_are_the_weighted_and_plain_ones_in_proportion(mix):
     model = tiny_model("llama", layers=2)
     weighted = onepass.hessians(model, BATCHES, guided=True)
     plain = onepass.hessians(model, BATCHES, autocast=torch.bfloat16)  # as the guided pass sees the inputs, to rounding
     mixed = onepass.hessians(model, BATCHES, guided=True, mix=mix)
-    want_seq = _block_by_block(model, token_weights(model, BATCHES, mix=mix))  # the sequential pass's weights
-    for key, h in mixed.items():
-        want = mix * weighted[key].H + (1 - mix) * plain[key].H
-        assert torch.allclose(h.H, want, rtol=0.01, atol=0.01 * want.abs().max()), key
-        assert torch.allclose(h.H, want_seq[key].H, rtol=0.05, atol=0.05 * want.abs().max()), key
+    _assert_mixed(mixed, weighted, plain, _block_by_block(model, token_weights(model, BATCHES, mix=mix)), mix)
 
 
 def test_guided_mix_needs_guided():
@@ -125,11 +130,7 @@ def test_guided_nsamples_weighs_the_first_sequences_and_keeps_every_plain_one():
     first = list(torch.cat(BATCHES)[:k].split(2))
     weighted = onepass.hessians(model, first, guided=True)
     plain = onepass.hessians(model, BATCHES, autocast=torch.bfloat16)
-    want_seq = _block_by_block(model, token_weights(model, BATCHES, mix=mix, nsamples=k))
-    for key, h in got.items():
-        want = mix * weighted[key].H + (1 - mix) * plain[key].H
-        assert torch.allclose(h.H, want, rtol=0.01, atol=0.01 * want.abs().max()), key
-        assert torch.allclose(h.H, want_seq[key].H, rtol=0.05, atol=0.05 * want.abs().max()), key
+    _assert_mixed(got, weighted, plain, _block_by_block(model, token_weights(model, BATCHES, mix=mix, nsamples=k)), mix)
 
 
 def test_guided_nsamples_is_checked():
