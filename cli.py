@@ -53,7 +53,8 @@ def main(verbose: bool):
 @click.option("--uptrain-steps", type=int, default=None, help="Distillation steps after --kv-heads (0: none).")
 @click.option("--steps", type=int, default=None, help="QAT: fine-tuning steps.")
 @click.option("--lr", type=float, default=None, help="QAT: learning rate of the weights.")
-@click.option("--init", "qat_init", type=click.Choice(["rtn", "awq"]), default=None, help="QAT: PTQ to start from.")
+@click.option("--init", "qat_init", type=click.Choice(["rtn", "awq", "gptq"]), default=None,
+              help="QAT: PTQ to start from (compress/config.py QAT_INITS).")
 @click.option("--rotate", type=click.Choice(["none", "hadamard"]), default=None,
               help="Fold the norms and rotate the weights by randomized Hadamards before quantizing.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")

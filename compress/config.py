@@ -15,7 +15,7 @@ import yaml
 from compress.quant import Scheme
 
 METHODS = ("rtn", "gptq", "awq", "nf4", "qat")  # compress/pipeline.py METHODS runs each
-QAT_INITS = ("rtn", "awq")
+QAT_INITS = ("rtn", "awq", "gptq")  # compress/qat.py: the PTQ result training starts from
 ROUNDINGS = ("rtn", "gptq")  # awq's final rounding
 TRAIN_DTYPES = ("bfloat16", "float32")
 KV_INITS = ("mean", "pca")  # compress/gqa.py
@@ -168,18 +168,22 @@ class QuantizeConfig:
             raise ValueError(f"rounding={self.awq.rounding!r} applies to method awq only, not {self.method!r}")
         for name in ("act_order", "static_groups", "mse", "guided"):
             if getattr(self.gptq, name) and not self.gptq_rounding:
-                raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq) only, "
+                raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq, qat with init: gptq) only, "
                                  f"not {self.method!r}")
-        if not self.gptq.sequential and self.method != "gptq":
-            raise ValueError(f"sequential: false applies to method gptq only, not {self.method!r} (awq searches its "
-                             "scales block by block on the quantized blocks' outputs)")
+        gptq_runs = self.method == "gptq" or (self.method == "qat" and self.qat.init == "gptq")
+        if not self.gptq.sequential and not gptq_runs:
+            raise ValueError(f"sequential: false applies to method gptq (or qat with init: gptq) only, not "
+                             f"{self.method!r} (awq searches its scales block by block on the quantized blocks' outputs)")
+        if self.method == "qat" and self.qat.init == "gptq" and self.gptq.act_order and not self.gptq.static_groups:
+            raise ValueError("qat with init: gptq and act_order needs static_groups: true (QAT trains groups of "
+                             "consecutive columns; act_order alone makes a group of scattered ones)")
         if self.weighted_range:
             if self.method not in ("gptq", "awq", "qat"):
                 raise ValueError(f"weighted_range needs calibration statistics: it applies to gptq, awq and qat, "
                                  f"not {self.method!r} (for a weighted RTN use method: awq with grid: 1 and "
                                  "clip: false)")
-            if self.method == "qat" and self.qat.init != "awq":
-                raise ValueError("weighted_range applies to qat's AWQ init only; set init: awq")
+            if self.method == "qat" and self.qat.init == "rtn":
+                raise ValueError("weighted_range applies to qat's AWQ or GPTQ init only; set init: awq or gptq")
             if self.gptq.mse:
                 raise ValueError("weighted_range and mse both pick gptq's grid; set one of them")
 
@@ -210,8 +214,9 @@ class QuantizeConfig:
 
     @property
     def gptq_rounding(self) -> bool:
-        """Whether the final rounding is GPTQ's (method gptq, or awq with rounding: gptq)."""
-        return self.method == "gptq" or (self.method == "awq" and self.awq.rounding == "gptq")
+        """Whether the final rounding is GPTQ's (method gptq, awq with rounding: gptq, or qat's init: gptq)."""
+        return (self.method == "gptq" or (self.method == "awq" and self.awq.rounding == "gptq")
+                or (self.method == "qat" and self.qat.init == "gptq"))
 
     @property
     def needs_calibration(self) -> bool:

@@ -27,6 +27,9 @@ GroupParams = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]  # (w [ou
 class GPTQResult:
     weight: QuantizedWeight
     loss: float  # sum over columns of (w - q)^2 / (2 Hinv_ii^2), as in the reference
+    # with keep_latent: [out, in] fp32, each weight as GPTQ rounded it (after the earlier columns' error feedback);
+    # round(latent / s) + z is its code: QAT's starting latent weight (compress/qat.py)
+    latent: Tensor | None = None
 
 
 def _group_params(scheme: Scheme, g: int, mse: bool, weighted_range: bool) -> GroupParams:
@@ -69,7 +72,7 @@ def _static_params(W: Tensor, hdiag: Tensor, scheme: Scheme, g: int, mse: bool, 
 
 
 def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, opts: GPTQOptions = GPTQOptions(),
-                    weighted_range: bool = False) -> GPTQResult:
+                    weighted_range: bool = False, keep_latent: bool = False) -> GPTQResult:
     """GPTQ of ``W: [out, in]`` against the Hessian ``H: [in, in]``; ragged last groups allowed.
     With ``opts.mse`` each group's grid is the clipped range that minimises the Hessian-diagonal-weighted
     rounding error (:func:`compress.quant.mse_params`) instead of its full min/max; with ``weighted_range``
@@ -103,13 +106,19 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, opts: GPTQOptions = GP
     H = torch.cholesky_inverse(H)
     Hinv = torch.linalg.cholesky(H, upper=True)  # the reference's Hinv: upper Cholesky factor of H^-1
     del H
-    Q, scales, zeros, loss = _quantize_columns(W, Hinv, hdiag, scheme, opts.block_size, params, static, perm)
-    return _result(Q, scales, zeros, loss, scheme, static, perm)
+    latent = torch.empty_like(W) if keep_latent else None
+    Q, scales, zeros, loss = _quantize_columns(W, Hinv, hdiag, scheme, opts.block_size, params, static, perm, latent)
+    res = _result(Q, scales, zeros, loss, scheme, static, perm)
+    if latent is not None:
+        res.latent = latent if perm is None else latent[:, torch.argsort(perm)]
+    return res
 
 
 def _quantize_columns(W: Tensor, Hinv: Tensor, hdiag: Tensor, scheme: Scheme, block_size: int, params: GroupParams,
-                      static: list | None, perm: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """The column loop with lazy block updates: codes [out, in], per-group scales and zeros, and the loss."""
+                      static: list | None, perm: Tensor | None, latent: Tensor | None = None
+                      ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """The column loop with lazy block updates: codes [out, in], per-group scales and zeros, and the loss;
+    ``latent`` (if given) receives each column as it was rounded."""
     out_f, in_f = W.shape
     g, n_groups = scheme.group(in_f), scheme.n_groups(in_f)
     scales = torch.empty(out_f, n_groups, dtype=torch.float16)
@@ -136,6 +145,8 @@ def _quantize_columns(W: Tensor, Hinv: Tensor, hdiag: Tensor, scheme: Scheme, bl
                     zeros[:, col // g] = zero
                 s, z = scale.float(), (scheme.sym_zero if zero is None else zero.float())
             w = W1[:, i]
+            if latent is not None:
+                latent[:, col] = w
             q = torch.clamp(torch.round(w / s) + z, 0, scheme.maxq)
             Q[:, col] = q.to(torch.uint8)
             wq = (q - z) * s
@@ -212,8 +223,11 @@ def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], h
     for name, lin in linears.items():
         h = hessians.pop(name)
         shared = any(other is h for other in hessians.values())  # q/k/v: the last of them takes it
-        res = quantize_weight(lin.weight.data, h.H if shared else h.release(), cfg.scheme, cfg.gptq, cfg.weighted_range)
+        res = quantize_weight(lin.weight.data, h.H if shared else h.release(), cfg.scheme, cfg.gptq, cfg.weighted_range,
+                              keep_latent=run.latents is not None)
         run.report.layers.append({"layer": i, "name": name, "loss": res.loss})
+        if run.latents is not None:
+            run.latents[(i, name)] = res.latent
         swap_linear(block, name, lin, res.weight)
 
 

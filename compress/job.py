@@ -101,7 +101,7 @@ def preflight(src, cfg: QuantizeConfig, trust_remote_code: bool) -> None:
     if src.gguf_file or not config_file.is_file():  # a GGUF: transformers checks its architecture on load
         return
     mt = check_config(json.loads(config_file.read_text()), trust_remote_code, src.name)
-    if cfg.method == "awq" or (cfg.method == "qat" and getattr(cfg, "init", None) == "awq"):
+    if cfg.method == "awq" or (cfg.method == "qat" and cfg.qat.init == "awq"):
         require(mt, "awq", "rtn, gptq, nf4 and int8 need no smoothing map")
     if getattr(cfg, "rotate", "none") != "none":
         require(mt, "rotate")

@@ -5,7 +5,7 @@ log space (a step changes them by a relative amount, whatever their size) and al
 to fp16, the precision the checkpoint stores. Zeros stay fixed at their PTQ value unless
 ``learn_zero`` (then they are rounded with an STE too).
 
-Training starts from a PTQ result (RTN, or AWQ's smoothed weights and clipped qparams) and distils
+Training starts from a PTQ result (RTN; AWQ's smoothed weights and clipped qparams; or GPTQ's) and distils
 the fp teacher's logits (compress/train.py). :func:`freeze` turns each fake-quantized linear into
 the same packed :class:`QuantLinear` as PTQ writes, whose dequantized weight equals the trained
 fake-quantized weight exactly.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from compress import awq, quant
+from compress import awq, gptq, quant
 from compress.calibrate import QuantizeReport, Run, decoder_layers, layers_name, target_linears
 from compress.checkpoint import set_module
 from compress.config import QuantizeConfig
@@ -29,7 +29,8 @@ from compress.train import TrainConfig, TrainProgress, TrainResult, distill
 
 log = logging.getLogger(__name__)
 
-AWQ_INIT_TOKENS = 128 * 512  # AWQ's own calibration budget (recipes/awq4.yaml); QAT may train on more
+PTQ_INIT_TOKENS = 128 * 512  # the PTQ init's calibration budget (recipes/awq4.yaml's); QAT may train on more
+PTQ_INITS = {"awq": awq.quantize, "gptq": gptq.quantize}  # QATOptions.init, besides "rtn"
 
 
 def round_ste(x: Tensor) -> Tensor:
@@ -152,40 +153,58 @@ def init_rtn(model: nn.Module, scheme: Scheme, ignore: tuple[str, ...], learn_ze
     return fakes
 
 
-def init_awq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], progress=None
-             ) -> dict[str, FakeQuantLinear]:
-    """Run AWQ (the config's awq options), then wrap each result: latent weight = AWQ's smoothed fp weight
-    (clamped to the grid's range), qparams = AWQ's clipped scales and zeros; the initial fake-quantized model
-    equals AWQ's."""
-    originals = _targets(model, cfg.ignore)  # AWQ scales these modules' weights in place, then swaps them out
-    n, used = 0, []
-    for b in batches:  # the first AWQ_INIT_TOKENS tokens are enough for AWQ's statistics
-        if n >= AWQ_INIT_TOKENS:
+def _first_tokens(batches: list[Tensor], n_tokens: int) -> list[Tensor]:
+    used, n = [], 0
+    for b in batches:
+        if n >= n_tokens:
             break
         used.append(b)
         n += b.numel()
-    awq.quantize(model, cfg, Run(QuantizeReport("awq"), used, progress))
+    return used
+
+
+def init_ptq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], progress=None
+             ) -> dict[str, FakeQuantLinear]:
+    """Run the config's ``init`` method (AWQ or GPTQ, with the config's awq / gptq options) on the first
+    PTQ_INIT_TOKENS tokens, then wrap each result so that the initial fake-quantized model equals it exactly:
+    qparams = the method's scales and zeros; latent weight, clamped to the grid's range = AWQ's smoothed fp weight,
+    or each weight as GPTQ rounded it (after the error feedback of the columns before it), so that the latent
+    weights keep how far each is from flipping its code, as training from fp weights does."""
+    init = cfg.qat.init
+    originals = _targets(model, cfg.ignore)  # AWQ scales these modules' weights in place, then swaps them out
+    prefix = layers_name(model)
+    run = Run(QuantizeReport(init), _first_tokens(batches, PTQ_INIT_TOKENS), progress,
+              latents={} if init == "gptq" else None)
+    PTQ_INITS[init](model, cfg, run)
     fakes, agree, total = {}, 0, 0
     for name, lin in originals.items():
         ql = model.get_submodule(name)
-        assert isinstance(ql, QuantLinear), f"AWQ left {name} unquantized"
+        assert isinstance(ql, QuantLinear), f"{init} left {name} unquantized"
         qw = ql.quantized_weight()
+        if qw.g_idx is not None:  # config refuses act_order without static_groups for qat
+            raise ValueError(f"{name}: QAT trains groups of consecutive columns; {init} made scattered ones")
         s = qw.scale.float().index_select(1, group_index(lin.in_features, qw.scheme))
         z = float(qw.scheme.sym_zero) if qw.zero is None else qw.zero.float().index_select(
             1, group_index(lin.in_features, qw.scheme))
-        w = torch.clamp(lin.weight.data.float(), (0 - z) * s, (qw.scheme.maxq - z) * s)
+        if init == "gptq":  # name = f"{prefix}.{i}.{linear}", keyed (i, linear) by compress.gptq
+            i, linear = name[len(prefix) + 1:].split(".", 1)
+            w = run.latents.pop((int(i), linear))
+        else:
+            w = lin.weight.data.float()
+        w = torch.clamp(w, (0 - z) * s, (qw.scheme.maxq - z) * s)
         f = FakeQuantLinear(w, ql.bias, qw.scale, qw.zero, qw.scheme, cfg.qat.learn_zero)
-        differ = f.quantized_weight().q != qw.q  # weights AWQ clipped just inside the grid's edge
+        differ = f.quantized_weight().q != qw.q  # weights clipped just inside the grid's edge, ties
         agree += qw.q.numel() - differ.sum().item()
         total += qw.q.numel()
-        with torch.no_grad():  # put those on AWQ's grid point, so training starts from AWQ exactly
+        with torch.no_grad():  # put those on the method's grid point, so training starts from its result exactly
             f.weight.copy_(torch.where(differ, qw.dequantize(), f.weight))
         fakes[name] = f
         set_module(model, name, f)
-    # guards the coupling with compress.awq's adapter (smoothing in place): codes must nearly agree
+    # guards the coupling with the adapters (AWQ smooths the original linears in place, GPTQ fills run.latents):
+    # codes must nearly agree
     if agree < 0.99 * total:
-        raise RuntimeError(f"AWQ init: only {agree / total:.1%} of codes match the AWQ result; "
-                           "compress.awq no longer scales the original linears in place")
+        raise RuntimeError(f"{init} init: only {agree / total:.1%} of codes match the {init} result; its adapter no "
+                           "longer leaves the weights it rounded where compress/qat.py reads them")
     return fakes
 
 
@@ -225,8 +244,8 @@ def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher:
     for p in teacher.parameters():
         p.requires_grad_(False)
     opts = cfg.qat
-    if opts.init == "awq":
-        fakes = init_awq(model, cfg, batches, progress)
+    if opts.init in PTQ_INITS:
+        fakes = init_ptq(model, cfg, batches, progress)
     else:
         fakes = init_rtn(model, cfg.scheme, cfg.ignore, opts.learn_zero)
     for p in model.parameters():

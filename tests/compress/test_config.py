@@ -16,7 +16,7 @@ def test_awq_rounding_by_gptq_takes_the_gptq_fields():
     (dict(method="gptq", rotate="spin"), "rotate='spin' is unknown; use one of"),
     (dict(method="rtn", weighted_range=True), "weighted_range needs calibration statistics"),
     (dict(method="gptq", mse=True, weighted_range=True), "weighted_range and mse both pick gptq's grid"),
-    (dict(method="qat", weighted_range=True), "applies to qat's AWQ init only"),
+    (dict(method="qat", weighted_range=True), "applies to qat's AWQ or GPTQ init only"),
 ])
 def test_bad_fields_name_the_value(bad, match):
     with pytest.raises(ValueError, match=match):

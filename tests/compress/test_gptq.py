@@ -118,3 +118,22 @@ def test_static_params_equal_the_group_by_group_search(d_in, g, sym, mse, weight
     for (s, z), (s0, z0) in zip(got, want):
         assert torch.equal(s, s0)
         assert (z is None and z0 is None) or torch.equal(z, z0)
+
+
+@pytest.mark.parametrize("scheme", [Scheme(4, 32, False), Scheme(3, 40, True)])
+@pytest.mark.parametrize("act_order,static", [(False, False), (True, True), (True, False)])
+def test_kept_latent_rounds_to_the_codes(scheme, act_order, static):
+    """keep_latent records each weight as GPTQ rounded it: its code is round(latent / s) + z (clamped), in natural
+    column order whatever the processing order, and it differs from the input (the error feedback moved it)."""
+    x, w, h = _layer()
+    opts = GPTQOptions(block_size=32, act_order=act_order, static_groups=static)
+    res = gptq.quantize_weight(w, h.H, scheme, opts, keep_latent=True)
+    qw = res.weight
+    g_idx = qw.g_idx.long() if qw.g_idx is not None else torch.arange(w.shape[1]) // scheme.group(w.shape[1])
+    s = qw.scale.float()[:, g_idx]
+    z = qw.zero.float()[:, g_idx] if qw.zero is not None else scheme.sym_zero
+    codes = torch.clamp(torch.round(res.latent / s) + z, 0, scheme.maxq)
+    assert torch.equal(codes, qw.q.float())
+    assert not torch.allclose(res.latent, w, atol=1e-4)
+    assert gptq.quantize_weight(w, h.H, scheme, opts).latent is None
+    assert torch.equal(gptq.quantize_weight(w, h.H, scheme, opts).weight.q, qw.q)  # keeping it changes nothing

@@ -71,7 +71,7 @@ def test_one_pass_is_refused_on_mixture_of_experts_and_for_awq():
     cfg = QuantizeConfig.from_flat(method="gptq", bits=4, group_size=32, sequential=False)
     with pytest.raises(ValueError, match="sequential: false .* experts"):
         quantize_model(model, cfg, BATCHES)
-    with pytest.raises(ValueError, match="sequential: false applies to method gptq only"):
+    with pytest.raises(ValueError, match="sequential: false applies to method gptq \\(or qat with init: gptq\\) only"):
         QuantizeConfig.from_flat(method="awq", rounding="gptq", sequential=False)
 
 

@@ -151,27 +151,58 @@ def test_qat_on_every_family_gives_the_ptq_checkpoint_format(family, tmp_path):
         assert torch.equal(again(ids).logits, model(ids).logits)
 
 
+def _init_against_ptq(base, ptq_cfg: QuantizeConfig):
+    """QAT's init from ``ptq_cfg``'s method, checked to equal that method run alone: logits and codes."""
+    batches = _batches(n=4)
+    ptq_model = copy.deepcopy(base)
+    quantize_model(ptq_model, ptq_cfg, batches)
+    model = copy.deepcopy(base)
+    fakes = qat.init_ptq(model, ptq_cfg.replace(method="qat", init=ptq_cfg.method), batches)
+    assert len(fakes) == 14
+    ids = _batches(seed=4)[0]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ptq_model(ids).logits)
+    for name, f in fakes.items():
+        ref = ptq_model.get_submodule(name)
+        assert torch.equal(f.quantized_weight().q, ref.codes())
+        assert torch.equal(f.fake_weight(), ref.quantized_weight().dequantize())
+    return model, fakes
+
+
 def test_awq_init_starts_from_the_awq_result():
     base = tiny_model("llama")
     with torch.no_grad():
         for layer in base.model.layers:
             layer.input_layernorm.weight[:4] *= 20
-    batches = _batches(n=4)
-    awq_cfg = QuantizeConfig.from_flat(method="awq", bits=4, group_size=32, search_tokens=128, grid=8)
-    awq_model = copy.deepcopy(base)
-    quantize_model(awq_model, awq_cfg, batches)
-    model = copy.deepcopy(base)
-    fakes = qat.init_awq(model, awq_cfg.replace(method="qat", init="awq"), batches)
-    assert len(fakes) == 14
-    ids = _batches(seed=4)[0]
-    with torch.no_grad():
-        ref, ours = awq_model(ids).logits, model(ids).logits
-    assert torch.equal(ours, ref)
-    for name, f in fakes.items():
-        assert torch.equal(f.quantized_weight().q, awq_model.get_submodule(name).codes())
+    model, _ = _init_against_ptq(base, QuantizeConfig.from_flat(method="awq", bits=4, group_size=32,
+                                                                search_tokens=128, grid=8))
     # the latent weights are AWQ's smoothed ones (the norm was divided, the columns multiplied)
     q = model.model.layers[0].self_attn.q_proj
     assert not torch.allclose(q.weight, base.model.layers[0].self_attn.q_proj.weight)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_gptq_init_starts_from_the_gptq_result(family):
+    _, fakes = _init_against_ptq(tiny_model(family), QuantizeConfig.from_flat(
+        method="gptq", bits=4, group_size=32, act_order=True, static_groups=True, mse=True, guided=True,
+        guided_mix=0.5, sequential=False))
+    for f in fakes.values():
+        # the latent weights are GPTQ's pre-rounding ones: off the grid, within half a step of their code
+        off = (f.weight - f.fake_weight()).abs() / f.qparams()[0].repeat_interleave(32, dim=1)
+        assert off.max() <= 0.5 + 1e-4 and off.mean() > 0.1
+
+
+def test_qat_from_gptq_trains_and_freezes_to_what_it_trained():
+    model = tiny_model("llama")
+    cfg = QuantizeConfig.from_flat(method="qat", init="gptq", bits=4, group_size=32, steps=3, lr=1e-3,
+                                   act_order=True, static_groups=True, train_dtype="float32")
+    start = copy.deepcopy(model)
+    quantize_model(start, cfg.replace(method="gptq", steps=None), _batches(n=4))
+    res = qat.train(model, cfg, _batches(n=4))
+    assert res.init == "gptq" and res.modules == 14 and len(res.train.losses) == 3
+    moved = [not torch.equal(model.get_submodule(n).codes(), start.get_submodule(n).codes()) for n, m in
+             start.named_modules() if isinstance(m, QuantLinear)]
+    assert any(moved)  # training changed some codes from GPTQ's
 
 
 def test_qat_without_calibration_data_is_a_clear_error():
@@ -182,7 +213,7 @@ def test_qat_without_calibration_data_is_a_clear_error():
 
 
 @pytest.mark.parametrize("field,value,msg", [
-    ("init", "gptq", "init='gptq' is unknown"),
+    ("init", "nf4", "init='nf4' is unknown"),
     ("steps", 0, "steps=0"),
     ("lr", 0.0, "lr=0.0"),
     ("train_dtype", "float16", "train_dtype='float16'"),
@@ -190,6 +221,19 @@ def test_qat_without_calibration_data_is_a_clear_error():
 def test_bad_qat_options(field, value, msg):
     with pytest.raises(ValueError, match=msg):
         QuantizeConfig.from_flat(method="qat", **{field: value})
+
+
+@pytest.mark.parametrize("fields,msg", [
+    ({"init": "gptq", "act_order": True}, "needs static_groups"),
+    ({"init": "awq", "act_order": True, "static_groups": True}, "act_order applies to method gptq"),
+    ({"init": "awq", "sequential": False}, "sequential: false applies"),
+    ({"init": "rtn", "weighted_range": True}, "AWQ or GPTQ init only"),
+])
+def test_gptq_options_need_qat_init_gptq(fields, msg):
+    with pytest.raises(ValueError, match=msg):
+        QuantizeConfig.from_flat(method="qat", **fields)
+    if fields["init"] == "gptq":
+        QuantizeConfig.from_flat(method="qat", **{**fields, "static_groups": True})
 
 
 def test_cli_qat(tmp_path, calib_text, smol_tokenizer):
