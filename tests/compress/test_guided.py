@@ -86,12 +86,13 @@ def test_guided_is_refused_where_no_gptq_hessian_reads_it():
 
 
 @pytest.mark.parametrize("family, recipe", [("llama", "guided-gptq4"), ("gemma", "guided-gptq4"),
-                                            ("phi3", "guided-gptq4"), ("qwen2", "guided-gptq3")])
+                                            ("phi3", "guided-gptq4"), ("qwen2", "guided-gptq3"),
+                                            ("mistral", "guided-qat4")])
 def test_guided_recipe_end_to_end_saved_and_reloaded(family, recipe, tmp_path):
     from compress.checkpoint import build_quantization_config, load_quantized, save_quantized
     from compress.config import load_recipe
 
-    cfg = load_recipe(recipe).replace(nsamples=4, seqlen=12, batch_size=2, group_size=32)
+    cfg = load_recipe(recipe).replace(nsamples=4, seqlen=12, batch_size=2, group_size=32, steps=2)
     base = tiny_model(family, layers=2)
     model = copy.deepcopy(base)
     quantize_model(model, cfg, BATCHES)
