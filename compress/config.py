@@ -168,12 +168,13 @@ class QuantizeConfig:
             raise ValueError(f"rounding={self.awq.rounding!r} applies to method awq only, not {self.method!r}")
         for name in ("act_order", "static_groups", "mse", "guided"):
             if getattr(self.gptq, name) and not self.gptq_rounding:
-                raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq, qat with init: gptq) only, "
-                                 f"not {self.method!r}")
+                raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq, qat with init: gptq) "
+                                 f"only, not {self.method!r}")
         gptq_runs = self.method == "gptq" or (self.method == "qat" and self.qat.init == "gptq")
         if not self.gptq.sequential and not gptq_runs:
             raise ValueError(f"sequential: false applies to method gptq (or qat with init: gptq) only, not "
-                             f"{self.method!r} (awq searches its scales block by block on the quantized blocks' outputs)")
+                             f"{self.method!r} (awq searches its scales block by block on the quantized blocks' "
+                             "outputs)")
         if self.method == "qat" and self.qat.init == "gptq" and self.gptq.act_order and not self.gptq.static_groups:
             raise ValueError("qat with init: gptq and act_order needs static_groups: true (QAT trains groups of "
                              "consecutive columns; act_order alone makes a group of scattered ones)")
