@@ -174,8 +174,8 @@ class Run:
     # ``experts(i, block, inputs=None, expert=None) -> records``; None for a dense model
     experts: Callable[..., list[dict]] | None = None
     teacher: nn.Module | None = None  # the fp model to distil from, when an earlier step kept one
-    # QAT's GPTQ init (compress/qat.py): GPTQ puts each linear's pre-rounding weights here, by (block, name)
-    latents: dict[tuple[int, str], Tensor] | None = None
+    # QAT's GPTQ init (compress/qat.py): GPTQ puts each linear's pre-rounding weights here, keyed by the linear
+    latents: dict[nn.Module, Tensor] | None = None
 
 
 def autocast_of(calib_dtype: str) -> torch.dtype | None:

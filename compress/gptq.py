@@ -227,7 +227,7 @@ def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], h
                               keep_latent=run.latents is not None)
         run.report.layers.append({"layer": i, "name": name, "loss": res.loss})
         if run.latents is not None:
-            run.latents[(i, name)] = res.latent
+            run.latents[lin] = res.latent
         swap_linear(block, name, lin, res.weight)
 
 

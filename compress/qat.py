@@ -172,7 +172,6 @@ def init_ptq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], progr
     weights keep how far each is from flipping its code, as training from fp weights does."""
     init = cfg.qat.init
     originals = _targets(model, cfg.ignore)  # AWQ scales these modules' weights in place, then swaps them out
-    prefix = layers_name(model)
     run = Run(QuantizeReport(init), _first_tokens(batches, PTQ_INIT_TOKENS), progress,
               latents={} if init == "gptq" else None)
     PTQ_INITS[init](model, cfg, run)
@@ -186,11 +185,7 @@ def init_ptq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], progr
         s = qw.scale.float().index_select(1, group_index(lin.in_features, qw.scheme))
         z = float(qw.scheme.sym_zero) if qw.zero is None else qw.zero.float().index_select(
             1, group_index(lin.in_features, qw.scheme))
-        if init == "gptq":  # name = f"{prefix}.{i}.{linear}", keyed (i, linear) by compress.gptq
-            i, linear = name[len(prefix) + 1:].split(".", 1)
-            w = run.latents.pop((int(i), linear))
-        else:
-            w = lin.weight.data.float()
+        w = run.latents.pop(lin) if init == "gptq" else lin.weight.data.float()
         w = torch.clamp(w, (0 - z) * s, (qw.scheme.maxq - z) * s)
         f = FakeQuantLinear(w, ql.bias, qw.scale, qw.zero, qw.scheme, cfg.qat.learn_zero)
         differ = f.quantized_weight().q != qw.q  # weights clipped just inside the grid's edge, ties
