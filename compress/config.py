@@ -274,7 +274,34 @@ def load_recipe(name: str) -> QuantizeConfig:
     unknown = sorted(set(data) - FIELDS)
     if unknown:
         raise ValueError(f"recipe {p.name}: unknown key(s) {unknown}; allowed: {sorted(FIELDS)}")
-    return QuantizeConfig.from_flat(**data)
+    return QuantizeConfig.from_flat(**{k: _typed(p.name, k, v) for k, v in data.items()})
+
+
+def _defaults() -> dict[str, object]:
+    """Flat field name -> its default value (whose type a recipe's value must have)."""
+    out = {}
+    for t in (QuantizeConfig, *GROUPS.values()):
+        for f in dataclasses.fields(t):
+            if f.name not in GROUPS and f.default is not dataclasses.MISSING and f.default is not None:
+                out[f.name] = f.default
+    return out
+
+
+def _typed(recipe: str, key: str, value):
+    """``value`` checked against the field's type. YAML reads ``2e-4`` (no dot) as a string: a float field takes
+    it as the number it spells."""
+    want = type(_defaults().get(key, value))
+    if want is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if value is not None and not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
+        raise ValueError(f"recipe {recipe}: {key}: {value!r} is {type(value).__name__}, expected {want.__name__} "
+                         f"(e.g. {key}: {_defaults()[key]!r})")
+    return value
 
 
 def list_recipes() -> dict[str, str]:

@@ -52,3 +52,23 @@ def test_unknown_recipe_key_is_an_error(tmp_path):
     p.write_text("method: gptq\nbits: 4\ndampening: 0.1\n")
     with pytest.raises(ValueError, match="unknown key"):
         load_recipe(str(p))
+
+
+def test_recipe_floats_written_without_a_dot_load_as_numbers(tmp_path):
+    p = tmp_path / "r.yaml"  # YAML 1.1 reads 2e-4 as the string '2e-4'
+    p.write_text("method: qat\nlr: 2e-4\nscale_lr: 0\nlearn_zero: true\n")
+    cfg = load_recipe(str(p))
+    assert cfg.qat.lr == 2e-4 and cfg.qat.scale_lr == 0.0 and type(cfg.qat.scale_lr) is float and cfg.qat.learn_zero is True
+
+
+@pytest.mark.parametrize("line,msg", [
+    ("bits: four", "bits: 'four' is str, expected int"),
+    ("sym: 1", "sym: 1 is int, expected bool"),
+    ("bits: true", "bits: True is bool, expected int"),
+    ("lr: fast", "lr: 'fast' is str, expected float"),
+])
+def test_recipe_value_of_the_wrong_type_is_a_clear_error(tmp_path, line, msg):
+    p = tmp_path / "r.yaml"
+    p.write_text(f"method: qat\n{line}\n")
+    with pytest.raises(ValueError, match=msg):
+        load_recipe(str(p))
