@@ -62,15 +62,21 @@ class MemoryPlan:
     statistics: int
     training: int = 0  # gradients, optimizer state and the teacher, for QAT / uptraining
     gradients: int = 0  # guided GPTQ's backward pass over one sequence, and the token weights it keeps
+    teacher: int = 0  # QAT's fp teacher, held from before the PTQ start to the end of training
+    phased: bool = False  # QAT: the PTQ start's activations, statistics and gradients are freed before training
 
     @property
     def peak(self) -> int:
-        return BASE_BYTES + self.weights + self.activations + self.statistics + self.training + self.gradients
+        ptq = self.activations + self.statistics + self.gradients
+        work = max(ptq, self.training) if self.phased else ptq + self.training
+        return BASE_BYTES + self.weights + self.teacher + work
 
     def describe(self) -> str:
         parts = [f"weights {gib(self.weights)}", f"activations {gib(self.activations)}",
-                 f"statistics {gib(self.statistics)}"] + ([f"training {gib(self.training)}"] if self.training else []) \
-            + ([f"gradient pass {gib(self.gradients)}"] if self.gradients else [])
+                 f"statistics {gib(self.statistics)}"] + ([f"gradient pass {gib(self.gradients)}"] if self.gradients
+                                                          else []) \
+            + ([f"{'then ' if self.phased else ''}training {gib(self.training)}"] if self.training else []) \
+            + ([f"teacher {gib(self.teacher)}"] if self.teacher else [])
         return f"about {gib(self.peak)} ({', '.join(parts)}, process {gib(BASE_BYTES)})"
 
 
@@ -87,6 +93,9 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     hidden = text.hidden_size
     tokens = (min(cfg.batch_size, cfg.nsamples) if offload else cfg.nsamples) * cfg.seqlen if calib else 0
+    if cfg.method == "qat":  # QAT trains on token batches; only its PTQ start holds activations, of its own tokens
+        from compress.qat import PTQ_INIT_TOKENS
+        tokens = 0 if cfg.qat.init == "rtn" else min(tokens, PTQ_INIT_TOKENS)
     activations = 3 * tokens * hidden * 4  # a block's inputs, its outputs, and one batch's intermediates
     statistics = 0
     if cfg.gptq_rounding:
@@ -98,20 +107,30 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
         statistics = blocks * sum(m.in_features ** 2 for m in linears) * 4 + 2 * widest ** 2 * 4
         if not cfg.gptq.sequential:
             activations = 0 if cfg.gptq.guided else cfg.batch_size * cfg.seqlen * (6 * hidden + 2 * widest) * 4
-    if cfg.method == "awq":
+    if cfg.method == "awq" or cfg.method == "qat" and cfg.qat.init == "awq":
         statistics += len(linears) * cfg.awq.search_tokens * widest * 4
     if streamed:  # one fp32 block, its stored copy while loading, the packed result
         return MemoryPlan(2 * block, activations, statistics)
     whole = _numel(model) * 4
-    training = 0
+    training, teacher = 0, 0
     if cfg.method == "qat" or cfg.uptrain_steps or cfg.kv_fit_steps:
-        training = 3 * whole + whole  # gradients + Adam's two moments, and the fp teacher
+        # gradients + Adam's two moments, and one step's graph; the fp teacher
+        training, teacher = 3 * whole + _train_graph(cfg, len(layers), hidden, widest, text.vocab_size), whole
     gradients = 0
     if cfg.gptq_rounding and cfg.gptq.guided:  # compress/guided.py: one sequence's graph, its logits, the weights
         graph = 5 * cfg.seqlen * (10 * hidden + 4 * widest) * 4 * len(layers) + cfg.seqlen * text.vocab_size * 32
         kept = len(linears) * len(layers) * cfg.nsamples * cfg.seqlen * 4 if cfg.gptq.sequential else 0  # the weights
         gradients = graph + kept
-    return MemoryPlan(whole + block, activations, statistics, training, gradients)
+    phased = cfg.method == "qat" and cfg.qat.init != "rtn"  # compress/qat.py: init_ptq returns, then training
+    return MemoryPlan(whole + block, activations, statistics, training, gradients, teacher, phased)
+
+
+def _train_graph(cfg, n_layers: int, hidden: int, widest: int, vocab: int) -> int:
+    """What a training step's backward keeps (compress/train.py): per token, about 12 values of the block's widths
+    in each layer, at the autocast dtype, and ~24 bytes per vocabulary entry for both models' logits, the
+    log-softmaxes and their gradient (fitted to SmolLM2-135M: 2.6 GiB at 4 x 256 tokens under bfloat16)."""
+    per_value = 2 if cfg.train_dtype == "bfloat16" else 4
+    return cfg.batch_size * cfg.seqlen * (n_layers * 12 * (hidden + widest) * per_value + 24 * vocab)
 
 
 def fits(p: MemoryPlan, max_memory: int | None) -> bool:
