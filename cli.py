@@ -52,7 +52,7 @@ def main(verbose: bool):
               help="--kv-heads: steps per layer fitting each merged attention to the original's outputs (0: none).")
 @click.option("--uptrain-steps", type=int, default=None, help="Distillation steps after --kv-heads (0: none).")
 @click.option("--steps", type=int, default=None, help="QAT: fine-tuning steps.")
-@click.option("--lr", type=float, default=None, help="QAT: learning rate of the weights.")
+@click.option("--lr", type=float, default=None, help="QAT: learning rate of the weights (in grid steps where the recipe sets lr_in_steps).")
 @click.option("--init", "qat_init", type=click.Choice(["rtn", "awq", "gptq"]), default=None,
               help="QAT: PTQ to start from (compress/config.py QAT_INITS).")
 @click.option("--rotate", type=click.Choice(["none", "hadamard"]), default=None,

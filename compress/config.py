@@ -88,20 +88,22 @@ class AWQOptions:
 @dataclass(frozen=True)
 class QATOptions:
     """QAT: start from a PTQ result (init), then distil the fp model for ``steps`` (weights at lr, scales at
-    scale_lr)."""
+    scale_lr). ``lr_in_steps``: lr counts in each group's grid steps (its initial scale) instead of the weight's
+    own units, so that layers whose ranges differ (a rotation's folded norms shrink some 3-4x) move alike."""
 
     init: str = "rtn"
     steps: int = 200
     lr: float = 1e-5
     scale_lr: float = 1e-3
     learn_zero: bool = False
+    lr_in_steps: bool = False
 
     def __post_init__(self):
         if self.init not in QAT_INITS:
             raise ValueError(f"init={self.init!r} is unknown; use one of {QAT_INITS}")
         _at_least_one(self, ("steps",))
         if not 0 < self.lr < 1:
-            raise ValueError(f"lr={self.lr} must be in (0, 1), e.g. 1e-5")
+            raise ValueError(f"lr={self.lr} must be in (0, 1), e.g. 1e-5 (or 5e-4 with lr_in_steps)")
         if not 0 <= self.scale_lr < 1:
             raise ValueError(f"scale_lr={self.scale_lr} must be in [0, 1), e.g. 1e-3 (0 keeps the scales fixed)")
 

@@ -66,18 +66,22 @@ class _FakeQuant(torch.autograd.Function):
 
 
 class FakeQuantLinear(nn.Module):
-    """A linear trained through its quantizer: latent fp32 weight, learnable log-scales [out, G],
-    fixed (or learnable) zeros [out, G]."""
+    """A linear trained through its quantizer: latent fp32 weight (optionally in grid steps), learnable
+    log-scales [out, G], fixed (or learnable) zeros [out, G]."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, scale: Tensor, zero: Tensor | None, scheme: Scheme,
-                 learn_zero: bool = False):
+                 learn_zero: bool = False, lr_in_steps: bool = False):
         super().__init__()
         if scheme.format != "int":
             raise ValueError(f"QAT trains integer grids; format={scheme.format!r} is not supported (use bits/sym)")
         self.scheme = scheme
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.weight = nn.Parameter(weight.detach().float().clone())
+        # lr_in_steps: the trained parameter is the weight in units of its group's initial grid step, so that
+        # Adam's step (about lr per weight) moves every weight the same share of a code, whatever its group's range
+        self.unit = nn.Buffer(scale.detach().float().clamp(min=MIN_SCALE)) if lr_in_steps else None
+        self.latent = nn.Parameter(torch.empty(weight.shape, dtype=torch.float32))
+        self.set_weight(weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.log_scale = nn.Parameter(scale.detach().float().log())
         if scheme.has_zeros:
@@ -85,6 +89,20 @@ class FakeQuantLinear(nn.Module):
             self.zero = nn.Parameter(z) if learn_zero else nn.Buffer(z)
         else:
             self.zero = None
+
+    def _per_column(self, t: Tensor) -> Tensor:
+        """[out, G] -> [out, in]: each group's value on its columns."""
+        return t.index_select(1, group_index(self.in_features, self.scheme, t.device))
+
+    @property
+    def weight(self) -> Tensor:
+        """The latent fp32 weight [out, in], in the linear's own units (differentiable)."""
+        return self.latent if self.unit is None else self.latent * self._per_column(self.unit)
+
+    @torch.no_grad()
+    def set_weight(self, w: Tensor) -> None:
+        w = w.detach().float()
+        self.latent.copy_(w if self.unit is None else w / self._per_column(self.unit))
 
     def qparams(self) -> tuple[Tensor, Tensor | float]:
         """Scale [out, G] (fp32 holding fp16 values) and zero ([out, G] integral floats, or the symmetric constant)."""
@@ -98,7 +116,7 @@ class FakeQuantLinear(nn.Module):
     def fake_weight(self) -> Tensor:
         """``[out, in]`` quantize-dequantize of the latent weight, differentiable by STE (LSQ)."""
         s, z = self.qparams()
-        out_f, in_f = self.weight.shape
+        out_f, in_f = self.latent.shape
         G, g = s.shape[1], self.scheme.group(in_f)
         w = self.weight
         if G * g != in_f:  # ragged last group: pad with zeros (their codes are dropped below)
@@ -142,13 +160,24 @@ def _targets(model: nn.Module, ignore: tuple[str, ...]) -> dict[str, nn.Linear]:
     return out
 
 
-def init_rtn(model: nn.Module, scheme: Scheme, ignore: tuple[str, ...], learn_zero: bool = False
-             ) -> dict[str, FakeQuantLinear]:
+def _snap(f: FakeQuantLinear, qw: QuantizedWeight) -> int:
+    """Put the latent weights whose code differs from ``qw``'s (weights clipped just inside the grid's edge,
+    ties, the rounding of a division by the unit) on qw's grid point, so that training starts from exactly
+    that result; returns how many differed."""
+    differ = f.quantized_weight().q != qw.q
+    f.set_weight(torch.where(differ, qw.dequantize(), f.weight.detach()))
+    return int(differ.sum())
+
+
+def init_rtn(model: nn.Module, scheme: Scheme, ignore: tuple[str, ...], learn_zero: bool = False,
+             lr_in_steps: bool = False) -> dict[str, FakeQuantLinear]:
     """Wrap every target linear with RTN qparams: the initial fake-quantized model equals RTN exactly."""
     fakes = {}
     for name, lin in _targets(model, ignore).items():
-        scale, zero = compute_qparams(lin.weight.data, scheme)
-        fakes[name] = FakeQuantLinear(lin.weight.data, lin.bias, scale, zero, scheme, learn_zero)
+        w = lin.weight.data
+        scale, zero = compute_qparams(w, scheme)
+        fakes[name] = FakeQuantLinear(w, lin.bias, scale, zero, scheme, learn_zero, lr_in_steps)
+        _snap(fakes[name], QuantizedWeight(quant.quantize(w.float(), scale, zero, scheme), scale, zero, scheme))
         set_module(model, name, fakes[name])
     return fakes
 
@@ -187,12 +216,9 @@ def init_ptq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], progr
             1, group_index(lin.in_features, qw.scheme))
         w = run.latents.pop(lin) if init == "gptq" else lin.weight.data.float()
         w = torch.clamp(w, (0 - z) * s, (qw.scheme.maxq - z) * s)
-        f = FakeQuantLinear(w, ql.bias, qw.scale, qw.zero, qw.scheme, cfg.qat.learn_zero)
-        differ = f.quantized_weight().q != qw.q  # weights clipped just inside the grid's edge, ties
-        agree += qw.q.numel() - differ.sum().item()
+        f = FakeQuantLinear(w, ql.bias, qw.scale, qw.zero, qw.scheme, cfg.qat.learn_zero, cfg.qat.lr_in_steps)
+        agree += qw.q.numel() - _snap(f, qw)
         total += qw.q.numel()
-        with torch.no_grad():  # put those on the method's grid point, so training starts from its result exactly
-            f.weight.copy_(torch.where(differ, qw.dequantize(), f.weight))
         fakes[name] = f
         set_module(model, name, f)
     # guards the coupling with the adapters (AWQ smooths the original linears in place, GPTQ fills run.latents):
@@ -219,7 +245,7 @@ class QATResult:
 
 
 def trainable_groups(fakes: dict[str, FakeQuantLinear], lr: float, scale_lr: float) -> list[dict]:
-    weights = [f.weight for f in fakes.values()]
+    weights = [f.latent for f in fakes.values()]
     qparams = [f.log_scale for f in fakes.values()] + [f.zero for f in fakes.values()
                                                        if isinstance(f.zero, nn.Parameter)]
     return [{"params": weights, "lr": lr}, {"params": qparams, "lr": scale_lr}]
@@ -242,7 +268,7 @@ def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher:
     if opts.init in PTQ_INITS:
         fakes = init_ptq(model, cfg, batches, progress)
     else:
-        fakes = init_rtn(model, cfg.scheme, cfg.ignore, opts.learn_zero)
+        fakes = init_rtn(model, cfg.scheme, cfg.ignore, opts.learn_zero, opts.lr_in_steps)
     for p in model.parameters():
         p.requires_grad_(False)
     groups = trainable_groups(fakes, opts.lr, opts.scale_lr)

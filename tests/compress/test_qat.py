@@ -18,11 +18,11 @@ def _batches(vocab=256, n=8, seqlen=32, seed=0, batch=4):
     return list(torch.randint(0, vocab, (n, seqlen), generator=g).split(batch))
 
 
-def _fake(out_f=16, in_f=80, scheme=Scheme(4, 32), learn_zero=False, seed=0):
+def _fake(out_f=16, in_f=80, scheme=Scheme(4, 32), learn_zero=False, seed=0, lr_in_steps=False):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_f, in_f, generator=g) * 0.05
     scale, zero = compute_qparams(w, scheme)
-    return qat.FakeQuantLinear(w, torch.randn(out_f, generator=g), scale, zero, scheme, learn_zero)
+    return qat.FakeQuantLinear(w, torch.randn(out_f, generator=g), scale, zero, scheme, learn_zero, lr_in_steps)
 
 
 def test_round_ste_is_round_forward_and_identity_backward():
@@ -33,16 +33,16 @@ def test_round_ste_is_round_forward_and_identity_backward():
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
-@pytest.mark.parametrize("learn_zero", [False, True])
-def test_ste_gradients_reach_weights_scales_and_zeros(learn_zero):
-    f = _fake(learn_zero=learn_zero)
+@pytest.mark.parametrize("learn_zero,lr_in_steps", [(False, False), (True, False), (False, True)])
+def test_ste_gradients_reach_weights_scales_and_zeros(learn_zero, lr_in_steps):
+    f = _fake(learn_zero=learn_zero, lr_in_steps=lr_in_steps)
     with torch.no_grad():  # shrink some scales so a few weights fall outside the grid and clamp
         f.log_scale[:, 0] -= 1.0
     x = torch.randn(8, 80)
     f(x).pow(2).sum().backward()
-    assert f.weight.grad is not None and f.weight.grad.abs().sum() > 0
+    assert f.latent.grad is not None and f.latent.grad.abs().sum() > 0
     assert f.log_scale.grad is not None and f.log_scale.grad.abs().sum() > 0
-    clamped = (f.weight.grad == 0).any()  # weights outside the grid get no STE gradient
+    clamped = (f.latent.grad == 0).any()  # weights outside the grid get no STE gradient
     assert clamped
     if learn_zero:
         assert f.zero.grad is not None and f.zero.grad.abs().sum() > 0
@@ -80,22 +80,50 @@ def test_closed_form_lsq_gradients_equal_autograd_through_round_ste(scheme):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("lr_in_steps", [False, True])
 @pytest.mark.parametrize("scheme", [Scheme(4, 32), Scheme(4, 32, sym=True), Scheme(3, 64), Scheme(8, -1, sym=True)],
                          ids=str)
-def test_initial_fake_weight_is_rtn_exactly(scheme):
-    f = _fake(scheme=scheme)
-    w = f.weight.detach()
-    scale, zero = compute_qparams(w, scheme)
-    rtn = dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme)
-    assert torch.equal(f.fake_weight().detach(), rtn)
+def test_initial_fake_weight_is_rtn_exactly(scheme, lr_in_steps):
+    model = tiny_model("llama")
+    original = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    fakes = qat.init_rtn(model, scheme, (), lr_in_steps=lr_in_steps)  # wraps, then snaps codes the unit moved
+    assert len(fakes) == 14
+    for name, f in fakes.items():
+        w = original[name]
+        assert torch.allclose(f.weight, w, rtol=1e-6, atol=0)  # the unit divides out
+        scale, zero = compute_qparams(w, scheme)
+        rtn = dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme)
+        assert torch.equal(f.fake_weight().detach(), rtn)
 
 
+def test_lr_in_steps_moves_each_weight_by_lr_grid_steps():
+    """Adam's first step moves each parameter by lr (times sign(grad)); in grid steps that is lr x scale."""
+    lr = 1e-3
+    moved = []
+    for lr_in_steps in (False, True):
+        f = _fake(lr_in_steps=lr_in_steps)
+        with torch.no_grad():
+            f.log_scale[:, 1] += 2.0  # the second group's grid step is e^2 times the first's
+            f.set_weight(f.weight)
+        w0 = f.weight.detach().clone()
+        opt = torch.optim.Adam([f.latent], lr=lr)
+        (f(torch.randn(8, 80)) ** 2).sum().backward()
+        opt.step()
+        step = (f.weight.detach() - w0).abs()
+        moved.append(step[step > 0])
+        if lr_in_steps:
+            unit = f.unit.repeat_interleave(32, dim=1)[:, :80]
+            assert torch.allclose(step[step > 0], (lr * unit)[step > 0], rtol=1e-3)
+    assert torch.allclose(moved[0], torch.full_like(moved[0], lr), rtol=1e-3)
+
+
+@pytest.mark.parametrize("lr_in_steps", [False, True])
 @pytest.mark.parametrize("scheme", [Scheme(4, 32), Scheme(4, 32, sym=True), Scheme(2, 64)], ids=str)
-def test_frozen_quantlinear_equals_trained_fake_weight_exactly(scheme):
-    f = _fake(scheme=scheme, learn_zero=True)
+def test_frozen_quantlinear_equals_trained_fake_weight_exactly(scheme, lr_in_steps):
+    f = _fake(scheme=scheme, learn_zero=True, lr_in_steps=lr_in_steps)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # stand-in for training: move weights, scales and zeros off their init
-        f.weight.add_(torch.randn(f.weight.shape, generator=g) * 0.01)
+        f.set_weight(f.weight + torch.randn(f.weight.shape, generator=g) * 0.01)
         f.log_scale.add_(torch.randn(f.log_scale.shape, generator=g) * 0.2)
         if f.zero is not None:
             f.zero.add_(torch.randn(f.zero.shape, generator=g) * 0.7)
@@ -151,13 +179,13 @@ def test_qat_on_every_family_gives_the_ptq_checkpoint_format(family, tmp_path):
         assert torch.equal(again(ids).logits, model(ids).logits)
 
 
-def _init_against_ptq(base, ptq_cfg: QuantizeConfig):
+def _init_against_ptq(base, ptq_cfg: QuantizeConfig, lr_in_steps: bool = False):
     """QAT's init from ``ptq_cfg``'s method, checked to equal that method run alone: logits and codes."""
     batches = _batches(n=4)
     ptq_model = copy.deepcopy(base)
     quantize_model(ptq_model, ptq_cfg, batches)
     model = copy.deepcopy(base)
-    fakes = qat.init_ptq(model, ptq_cfg.replace(method="qat", init=ptq_cfg.method), batches)
+    fakes = qat.init_ptq(model, ptq_cfg.replace(method="qat", init=ptq_cfg.method, lr_in_steps=lr_in_steps), batches)
     assert len(fakes) == 14
     ids = _batches(seed=4)[0]
     with torch.no_grad():
@@ -181,11 +209,11 @@ def test_awq_init_starts_from_the_awq_result():
     assert not torch.allclose(q.weight, base.model.layers[0].self_attn.q_proj.weight)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_gptq_init_starts_from_the_gptq_result(family):
+@pytest.mark.parametrize("family,lr_in_steps", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_gptq_init_starts_from_the_gptq_result(family, lr_in_steps):
     _, fakes = _init_against_ptq(tiny_model(family), QuantizeConfig.from_flat(
         method="gptq", bits=4, group_size=32, act_order=True, static_groups=True, mse=True, guided=True,
-        guided_mix=0.5, sequential=False))
+        guided_mix=0.5, sequential=False), lr_in_steps)
     for f in fakes.values():
         # the latent weights are GPTQ's pre-rounding ones: off the grid, within half a step of their code
         off = (f.weight - f.fake_weight()).abs() / f.qparams()[0].repeat_interleave(32, dim=1)
