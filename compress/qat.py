@@ -41,28 +41,34 @@ def round_ste(x: Tensor) -> Tensor:
 class _FakeQuant(torch.autograd.Function):
     """``(clamp(round(w / s) + z, 0, maxq) - z) * s`` on grouped ``w [out, G, g]``, ``s``/``z`` ``[out, G, 1]``,
     with LSQ's straight-through gradients in closed form: nothing but the inputs is saved, and the
-    forward uses exactly compress.quant's operations (so it equals quantize + dequantize bit for bit)."""
+    forward uses exactly compress.quant's operations (so it equals quantize + dequantize bit for bit).
+    With ``unit`` ``[out, G, 1]`` the first input is the latent in grid steps and ``w = latent * unit`` is
+    recomputed in the backward rather than kept."""
 
     @staticmethod
-    def forward(ctx, w: Tensor, s: Tensor, z: Tensor, maxq: int) -> Tensor:
-        ctx.save_for_backward(w, s, z)
+    def forward(ctx, latent: Tensor, s: Tensor, z: Tensor, maxq: int, unit: Tensor | None = None) -> Tensor:
+        ctx.save_for_backward(latent, s, z, unit)
         ctx.maxq = maxq
+        w = latent if unit is None else latent * unit
         return (w / s).round_().add_(z).clamp_(0, maxq).sub_(z).mul_(s)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        w, s, z = ctx.saved_tensors
+        latent, s, z, unit = ctx.saved_tensors
+        w = latent if unit is None else latent * unit
         x = w / s
         v = torch.round(x).add_(z)  # the code before clamping
         inside = (v >= 0) & (v <= ctx.maxq)
         grad_w = grad * inside  # STE: identity on the grid, zero where clamped
+        if unit is not None:
+            grad_w = grad_w.mul_(unit)
         # d out / d s: round(x) - x on the grid, (clamped code - z) outside it
         ds = torch.where(inside, v - z - x, v.clamp_(0, ctx.maxq) - z)
         grad_s = (grad * ds).sum(dim=-1, keepdim=True)
         grad_z = None
         if ctx.needs_input_grad[2]:  # d out / d z: 0 on the grid, -s outside it
             grad_z = (grad * ~inside).sum(dim=-1, keepdim=True).mul_(-s)
-        return grad_w, grad_s, grad_z, None
+        return grad_w, grad_s, grad_z, None, None
 
 
 class FakeQuantLinear(nn.Module):
@@ -118,13 +124,14 @@ class FakeQuantLinear(nn.Module):
         s, z = self.qparams()
         out_f, in_f = self.latent.shape
         G, g = s.shape[1], self.scheme.group(in_f)
-        w = self.weight
+        w = self.latent
         if G * g != in_f:  # ragged last group: pad with zeros (their codes are dropped below)
             w = nn.functional.pad(w, (0, G * g - in_f))
         if not isinstance(z, Tensor):
             z = torch.full_like(s, z)
-        # w: [out, in] -> [out, G, g]; s, z: [out, G] -> [out, G, 1]
-        wq = _FakeQuant.apply(w.reshape(out_f, G, g), s[..., None], z[..., None], self.scheme.maxq)
+        unit = None if self.unit is None else self.unit[..., None]
+        # w: [out, in] -> [out, G, g]; s, z, unit: [out, G] -> [out, G, 1]
+        wq = _FakeQuant.apply(w.reshape(out_f, G, g), s[..., None], z[..., None], self.scheme.maxq, unit)
         return wq.reshape(out_f, G * g)[:, :in_f]
 
     def forward(self, x: Tensor) -> Tensor:

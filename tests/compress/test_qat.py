@@ -62,9 +62,10 @@ def _reference_fake_weight(f: qat.FakeQuantLinear):
     return (q - z) * s
 
 
+@pytest.mark.parametrize("lr_in_steps", [False, True])
 @pytest.mark.parametrize("scheme", [Scheme(4, 32), Scheme(3, 24, sym=True)], ids=str)
-def test_closed_form_lsq_gradients_equal_autograd_through_round_ste(scheme):
-    f = _fake(scheme=scheme, learn_zero=True)
+def test_closed_form_lsq_gradients_equal_autograd_through_round_ste(scheme, lr_in_steps):
+    f = _fake(scheme=scheme, learn_zero=True, lr_in_steps=lr_in_steps)
     with torch.no_grad():
         f.log_scale[:, 0] -= 1.0  # some weights clamp
     x = torch.randn(8, 80)
@@ -78,6 +79,20 @@ def test_closed_form_lsq_gradients_equal_autograd_through_round_ste(scheme):
     assert len(grads[0]) == len(grads[1]) == (3 if scheme.has_zeros else 2)
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_lr_in_steps_keeps_no_extra_weight_sized_tensor_for_the_backward():
+    def saved_bytes(f):
+        total = []
+
+        def pack(t):
+            total.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            f(torch.randn(8, 80)).sum()
+        return sum(total)
+    plain, steps = saved_bytes(_fake()), saved_bytes(_fake(lr_in_steps=True))
+    assert steps - plain == _fake(lr_in_steps=True).unit.numel() * 4  # the [out, G] unit, not an [out, in] copy
 
 
 @pytest.mark.parametrize("lr_in_steps", [False, True])
