@@ -7,6 +7,7 @@ take whole. Every group field keeps its flat recipe name, so ``damp: 0.05`` is `
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,7 +104,7 @@ class QATOptions:
             raise ValueError(f"init={self.init!r} is unknown; use one of {QAT_INITS}")
         _at_least_one(self, ("steps",))
         if not 0 < self.lr < 1:
-            raise ValueError(f"lr={self.lr} must be in (0, 1), e.g. 1e-5 (or 5e-4 with lr_in_steps)")
+            raise ValueError(f"lr={self.lr} must be in (0, 1), e.g. 1e-5 (or 2e-3 with lr_in_steps)")
         if not 0 <= self.scale_lr < 1:
             raise ValueError(f"scale_lr={self.scale_lr} must be in [0, 1), e.g. 1e-3 (0 keeps the scales fixed)")
 
@@ -279,6 +280,7 @@ def load_recipe(name: str) -> QuantizeConfig:
     return QuantizeConfig.from_flat(**{k: _typed(p.name, k, v) for k, v in data.items()})
 
 
+@functools.cache
 def _defaults() -> dict[str, object]:
     """Flat field name -> its default value (whose type a recipe's value must have)."""
     out = {}

@@ -60,7 +60,7 @@ class MemoryPlan:
     weights: int  # fp32 weights resident at once
     activations: int
     statistics: int
-    training: int = 0  # gradients, optimizer state and the teacher, for QAT / uptraining
+    training: int = 0  # gradients, optimizer state and one step's graph, for QAT / uptraining
     gradients: int = 0  # guided GPTQ's backward pass over one sequence, and the token weights it keeps
     teacher: int = 0  # QAT's fp teacher, held from before the PTQ start to the end of training
     phased: bool = False  # QAT: the PTQ start's activations, statistics and gradients are freed before training
