@@ -38,6 +38,11 @@ def round_ste(x: Tensor) -> Tensor:
     return x + (torch.round(x) - x).detach()
 
 
+def per_column(t: Tensor, in_features: int, scheme: Scheme) -> Tensor:
+    """[out, G] -> [out, in]: each group's value on its columns (groups of consecutive columns)."""
+    return t.index_select(1, group_index(in_features, scheme, t.device))
+
+
 class _FakeQuant(torch.autograd.Function):
     """``(clamp(round(w / s) + z, 0, maxq) - z) * s`` on grouped ``w [out, G, g]``, ``s``/``z`` ``[out, G, 1]``,
     with LSQ's straight-through gradients in closed form: nothing but the inputs is saved, and the
@@ -96,19 +101,15 @@ class FakeQuantLinear(nn.Module):
         else:
             self.zero = None
 
-    def _per_column(self, t: Tensor) -> Tensor:
-        """[out, G] -> [out, in]: each group's value on its columns."""
-        return t.index_select(1, group_index(self.in_features, self.scheme, t.device))
-
     @property
     def weight(self) -> Tensor:
         """The latent fp32 weight [out, in], in the linear's own units (differentiable)."""
-        return self.latent if self.unit is None else self.latent * self._per_column(self.unit)
+        return self.latent if self.unit is None else self.latent * per_column(self.unit, self.in_features, self.scheme)
 
     @torch.no_grad()
     def set_weight(self, w: Tensor) -> None:
         w = w.detach().float()
-        self.latent.copy_(w if self.unit is None else w / self._per_column(self.unit))
+        self.latent.copy_(w if self.unit is None else w / per_column(self.unit, self.in_features, self.scheme))
 
     def qparams(self) -> tuple[Tensor, Tensor | float]:
         """Scale [out, G] (fp32 holding fp16 values) and zero ([out, G] integral floats, or the symmetric constant)."""
@@ -218,9 +219,8 @@ def init_ptq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], progr
         qw = ql.quantized_weight()
         if qw.g_idx is not None:  # config refuses act_order without static_groups for qat
             raise ValueError(f"{name}: QAT trains groups of consecutive columns; {init} made scattered ones")
-        s = qw.scale.float().index_select(1, group_index(lin.in_features, qw.scheme))
-        z = float(qw.scheme.sym_zero) if qw.zero is None else qw.zero.float().index_select(
-            1, group_index(lin.in_features, qw.scheme))
+        s = per_column(qw.scale.float(), lin.in_features, qw.scheme)
+        z = float(qw.scheme.sym_zero) if qw.zero is None else per_column(qw.zero.float(), lin.in_features, qw.scheme)
         w = run.latents.pop(lin) if init == "gptq" else lin.weight.data.float()
         w = torch.clamp(w, (0 - z) * s, (qw.scheme.maxq - z) * s)
         f = FakeQuantLinear(w, ql.bias, qw.scale, qw.zero, qw.scheme, cfg.qat.learn_zero, cfg.qat.lr_in_steps)
