@@ -90,7 +90,9 @@ class AWQOptions:
 class QATOptions:
     """QAT: start from a PTQ result (init), then distil the fp model for ``steps`` (weights at lr, scales at
     scale_lr). ``lr_in_steps``: lr counts in each group's grid steps (its initial scale) instead of the weight's
-    own units, so that layers whose ranges differ (a rotation's folded norms shrink some 3-4x) move alike."""
+    own units, so that layers whose ranges differ (a rotation's folded norms shrink some 3-4x) move alike.
+    ``self_data``: the share of the training windows that the fp model samples itself (compress/selfdata.py);
+    the PTQ init still calibrates on the calibration text."""
 
     init: str = "rtn"
     steps: int = 200
@@ -98,6 +100,7 @@ class QATOptions:
     scale_lr: float = 1e-3
     learn_zero: bool = False
     lr_in_steps: bool = False
+    self_data: float = 0.0
 
     def __post_init__(self):
         if self.init not in QAT_INITS:
@@ -107,6 +110,8 @@ class QATOptions:
             raise ValueError(f"lr={self.lr} must be in (0, 1), e.g. 1e-5 (or 2e-3 with lr_in_steps)")
         if not 0 <= self.scale_lr < 1:
             raise ValueError(f"scale_lr={self.scale_lr} must be in [0, 1), e.g. 1e-3 (0 keeps the scales fixed)")
+        if not 0 <= self.self_data < 1:
+            raise ValueError(f"self_data={self.self_data} must be a share in [0, 1), e.g. 0.5 (0: calibration text only)")
 
 
 GROUPS = {"gptq": GPTQOptions, "awq": AWQOptions, "qat": QATOptions}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -172,3 +173,9 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code:
                                                      use_safetensors=not allow_pickle or None)
     model.eval()
     return model, tokenizer, src
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The name under which ``model``'s forward takes its KV cache: ``cache`` since transformers 5.x renamed
+    ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from compress import awq, gptq, quant
+from compress import awq, gptq, quant, selfdata
 from compress.calibrate import QuantizeReport, Run, decoder_layers, layers_name, target_linears
 from compress.checkpoint import set_module
 from compress.config import QuantizeConfig
@@ -244,11 +245,25 @@ def freeze(model: nn.Module) -> int:
     return len(names)
 
 
+def with_self_data(ids: Tensor, teacher: nn.Module, share: float, seed: int, dtype: str) -> tuple[Tensor, float]:
+    """``ids [n, seqlen]`` with its last ``round(share * n)`` windows replaced by windows the teacher samples
+    (compress/selfdata.py), and the seconds that took."""
+    n_self = round(share * ids.shape[0])
+    if n_self == 0:
+        return ids, 0.0
+    t0 = time.perf_counter()
+    sampled = selfdata.sample_windows(teacher, n_self, ids.shape[1], seed=seed, dtype=dtype)
+    seconds = time.perf_counter() - t0
+    log.info("QAT: the fp model sampled %d of %d training windows in %.0f s", n_self, ids.shape[0], seconds)
+    return torch.cat([ids[:ids.shape[0] - n_self], sampled]), seconds
+
+
 @dataclass
 class QATResult:
     train: TrainResult
     modules: int
     init: str
+    self_data_seconds: float = 0.0  # sampling training windows from the teacher (QATOptions.self_data)
 
 
 def trainable_groups(fakes: dict[str, FakeQuantLinear], lr: float, scale_lr: float) -> list[dict]:
@@ -272,6 +287,7 @@ def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher:
     for p in teacher.parameters():
         p.requires_grad_(False)
     opts = cfg.qat
+    ids, self_seconds = with_self_data(ids, teacher, opts.self_data, cfg.seed, cfg.calib_dtype)
     if opts.init in PTQ_INITS:
         fakes = init_ptq(model, cfg, batches, progress)
     else:
@@ -292,7 +308,7 @@ def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher:
             p.requires_grad_(False)
     n = freeze(model)
     log.info("QAT: loss %.4f -> %.4f in %.0f s; froze %d linears", result.first, result.last, result.seconds, n)
-    return QATResult(result, n, opts.init)
+    return QATResult(result, n, opts.init, self_seconds)
 
 
 # -- the adapter ---------------------------------------------------------------------------------
@@ -301,4 +317,5 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     res = train(model, cfg, run.batches, run.teacher, run.progress, run.train_progress)
     run.report.notes["qat"] = {"init": res.init, "modules": res.modules, "steps": len(res.train.losses),
                                "loss_first": res.train.first, "loss_last": res.train.last,
-                               "train_seconds": res.train.seconds}
+                               "train_seconds": res.train.seconds,
+                               "self_data_seconds": res.self_data_seconds}

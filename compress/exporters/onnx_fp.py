@@ -12,7 +12,6 @@ A quantized source is exported with its dequantized weights (``--format onnx-int
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from torch import nn
 
 from compress.checkpoint import set_module
 from compress.exporters.common import Source, check_onnx_architecture, export_config, write_side_files
+from compress.models import cache_kwarg
 from compress.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,7 @@ class KVCacheDecoder(nn.Module):
         super().__init__()
         self.model = model
         self.n_layers = model.config.num_hidden_layers
-        params = inspect.signature(model.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
+        self.cache_kw = cache_kwarg(model)
 
     def forward(self, input_ids, attention_mask, position_ids, past: list[torch.Tensor]):
         from transformers import DynamicCache

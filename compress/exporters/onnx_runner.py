@@ -142,11 +142,11 @@ def greedy_generate(model, input_ids: Tensor, max_new_tokens: int, eos_token_id=
 def _torch_greedy(model, ids: Tensor, max_new_tokens: int, eos_token_id) -> Tensor:
     """The same loop as OnnxCausalLM.generate on a transformers model with its DynamicCache (no logits
     processors, so nothing but argmax decides a token)."""
-    import inspect
-
     from transformers import DynamicCache
 
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    from compress.models import cache_kwarg
+
+    cache_kw = cache_kwarg(model)
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []), dtype=torch.long)
     cache, out, step = DynamicCache(), [ids], ids
     done = torch.zeros(ids.shape[0], dtype=torch.bool)
