@@ -4,8 +4,8 @@ Distilling only on calibration text fits the student to that text's domain: on S
 Wikipedia instead of 250 left held-out wiki perplexity where it was and raised LAMBADA's (fiction). Text sampled
 from the teacher at temperature 1 covers what the teacher itself predicts, so a share of such windows keeps the
 student close on text the calibration set lacks (measurements: BENCHMARKS.md, "Self-generated training windows").
-Sampling starts from the model's BOS token (its EOS where it has none) and
-runs the full window: an EOS on the way is a token like any other, after which the model starts anew.
+Sampling starts from the model's BOS token (its EOS where it has none) and runs the full window: an EOS on the
+way is a token like any other, after which the model starts anew.
 """
 from __future__ import annotations
 
