@@ -245,14 +245,14 @@ def freeze(model: nn.Module) -> int:
     return len(names)
 
 
-def with_self_data(ids: Tensor, teacher: nn.Module, share: float, seed: int, dtype: str) -> tuple[Tensor, float]:
+def with_self_data(ids: Tensor, teacher: nn.Module, share: float, seed: int) -> tuple[Tensor, float]:
     """``ids [n, seqlen]`` with its last ``round(share * n)`` windows replaced by windows the teacher samples
     (compress/selfdata.py), and the seconds that took."""
     n_self = round(share * ids.shape[0])
     if n_self == 0:
         return ids, 0.0
     t0 = time.perf_counter()
-    sampled = selfdata.sample_windows(teacher, n_self, ids.shape[1], seed=seed, dtype=dtype)
+    sampled = selfdata.sample_windows(teacher, n_self, ids.shape[1], seed=seed)
     seconds = time.perf_counter() - t0
     log.info("QAT: the fp model sampled %d of %d training windows in %.0f s", n_self, ids.shape[0], seconds)
     return torch.cat([ids[:ids.shape[0] - n_self], sampled]), seconds
@@ -287,7 +287,7 @@ def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher:
     for p in teacher.parameters():
         p.requires_grad_(False)
     opts = cfg.qat
-    ids, self_seconds = with_self_data(ids, teacher, opts.self_data, cfg.seed, cfg.calib_dtype)
+    ids, self_seconds = with_self_data(ids, teacher, opts.self_data, cfg.seed)
     if opts.init in PTQ_INITS:
         fakes = init_ptq(model, cfg, batches, progress)
     else:

@@ -13,7 +13,6 @@ import torch
 from torch import Tensor, nn
 
 from compress.models import cache_kwarg
-from compress.train import autocast
 
 
 def start_token(config) -> int:
@@ -28,10 +27,12 @@ def start_token(config) -> int:
 
 
 @torch.no_grad()
-def sample_windows(model: nn.Module, n: int, seqlen: int, seed: int = 0, batch_size: int = 32,
-                   dtype: str = "bfloat16") -> Tensor:
+def sample_windows(model: nn.Module, n: int, seqlen: int, seed: int = 0, batch_size: int = 32) -> Tensor:
     """``n`` windows of ``seqlen`` token ids, LongTensor [n, seqlen]: the start token, then tokens sampled one
-    at a time from ``model``'s full next-token distribution (temperature 1, no top-k/top-p), with a KV cache."""
+    at a time from ``model``'s full next-token distribution (temperature 1, no top-k/top-p), with a KV cache.
+    In the model's own dtype: under autocast every decode step casts every weight again (autocast caches casts of
+    trained parameters only), which made a step slower, not faster (SmolLM2, batch 32, 1 CPU thread: 0.29 s in
+    bf16 against 0.23 s in fp32)."""
     if n < 1 or seqlen < 2:
         raise ValueError(f"sampling needs n >= 1 windows of seqlen >= 2 tokens, got n={n}, seqlen={seqlen}")
     from transformers import DynamicCache
@@ -47,8 +48,7 @@ def sample_windows(model: nn.Module, n: int, seqlen: int, seed: int = 0, batch_s
             ids = torch.full((min(batch_size, n - i), seqlen), first, dtype=torch.long)
             step_ids, cache = ids[:, :1], DynamicCache()
             for t in range(1, seqlen):
-                with autocast(dtype):
-                    logits = model(input_ids=step_ids, use_cache=True, **{cache_kw: cache}).logits
+                logits = model(input_ids=step_ids, use_cache=True, **{cache_kw: cache}).logits
                 probs = torch.softmax(logits[:, -1].float(), dim=-1)  # [b, vocab]
                 ids[:, t] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
                 step_ids = ids[:, t:t + 1]

@@ -25,13 +25,13 @@ def test_cached_sampling_equals_sampling_without_a_cache(family):
     if model.config.bos_token_id is None and model.config.eos_token_id is None:
         model.config.eos_token_id = 7  # Qwen's tiny configs leave both unset; its real checkpoints declare them
     with one_thread():
-        got = selfdata.sample_windows(model, 3, 12, seed=5, dtype="float32")
+        got = selfdata.sample_windows(model, 3, 12, seed=5)
         assert torch.equal(got, _reference(model, 3, 12, seed=5))
     assert got.shape == (3, 12) and got.dtype == torch.long
     assert (got[:, 0] == selfdata.start_token(model.config)).all()
     assert 0 <= got.min() and got.max() < model.config.vocab_size
     with one_thread():  # windows are sampled batch by batch: the first batch is a run of its own
-        assert torch.equal(selfdata.sample_windows(model, 3, 12, seed=5, batch_size=2, dtype="float32")[:2],
+        assert torch.equal(selfdata.sample_windows(model, 3, 12, seed=5, batch_size=2)[:2],
                            _reference(model, 2, 12, seed=5))
 
 
@@ -42,7 +42,7 @@ def test_samples_follow_the_models_distribution():
         ids = torch.tensor([[selfdata.start_token(model.config)]])
         p = torch.softmax(model(input_ids=ids).logits[0, -1], dim=-1)
     with one_thread():
-        first = selfdata.sample_windows(model, 4000, 2, seed=0, batch_size=4000, dtype="float32")[:, 1]
+        first = selfdata.sample_windows(model, 4000, 2, seed=0, batch_size=4000)[:, 1]
     freq = torch.bincount(first, minlength=p.numel()).float() / first.numel()
     assert p.max() > 0.2  # the check below means something
     assert (freq - p).abs().max() < 0.03
@@ -51,7 +51,7 @@ def test_samples_follow_the_models_distribution():
 def test_same_seed_same_windows_other_seed_other_windows():
     model = tiny_model("mistral")
     with one_thread():
-        a, b, c = (selfdata.sample_windows(model, 2, 10, seed=s, dtype="float32") for s in (0, 0, 1))
+        a, b, c = (selfdata.sample_windows(model, 2, 10, seed=s) for s in (0, 0, 1))
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert not model.training
 
@@ -67,10 +67,10 @@ def test_start_token_falls_back_to_eos_and_refuses_a_model_with_neither():
 def test_with_self_data_replaces_the_last_share_of_the_windows():
     model = tiny_model("llama")
     ids = torch.randint(3, 256, (8, 6), generator=torch.Generator().manual_seed(0))
-    same, seconds = qat.with_self_data(ids, model, 0.0, 0, "float32")
+    same, seconds = qat.with_self_data(ids, model, 0.0, 0)
     assert same is ids and seconds == 0.0
     with one_thread():
-        mixed, seconds = qat.with_self_data(ids, model, 0.5, 0, "float32")
+        mixed, seconds = qat.with_self_data(ids, model, 0.5, 0)
     assert mixed.shape == ids.shape and seconds > 0
     assert torch.equal(mixed[:4], ids[:4])
     assert (mixed[4:, 0] == selfdata.start_token(model.config)).all()
