@@ -3,7 +3,7 @@
 Distilling only on calibration text fits the student to that text's domain: on SmolLM2, 400 training steps on
 Wikipedia instead of 250 left held-out wiki perplexity where it was and raised LAMBADA's (fiction). Text sampled
 from the teacher at temperature 1 covers what the teacher itself predicts, so a share of such windows keeps the
-student close on text the calibration set lacks (measurements: BENCHMARKS.md, "Self-generated training windows").
+student close on text the calibration set lacks (measurements: BENCHMARKS.md, "What else moves LAMBADA").
 Sampling starts from the model's BOS token (its EOS where it has none) and runs the full window: an EOS on the
 way is a token like any other, after which the model starts anew.
 """
