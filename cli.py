@@ -95,11 +95,11 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
                                                   if cfg.needs_calibration else ", data-free"))
     bar = tqdm(total=None, desc="blocks", unit="block")
 
-    def progress(done: int, total: int) -> None:  # blocks (KV fitting, then calibration): restarts per pass
-        if done == 1:
+    def progress(done: int, total: int, unit: str = "block") -> None:  # restarts per pass (compress/calibrate.py)
+        if done == 1 or bar.unit != unit:
             bar.reset(total=total)
-            bar.set_description("blocks")
-            bar.unit = "block"
+            bar.set_description(f"{unit}s")
+            bar.unit = unit
             bar.set_postfix()
         bar.update(done - bar.n)
 

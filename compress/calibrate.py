@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +27,15 @@ from compress.qlinear import QuantLinear
 from compress.quant import QuantizedWeight
 
 log = logging.getLogger(__name__)
-Progress = Callable[[int, int], None]
+
+
+class Progress(Protocol):
+    """(done, total) of a pass over ``unit``s: blocks (calibration, KV fitting), or windows (QAT sampling its own
+    training text, compress/selfdata.py). A pass starts anew at done == 1."""
+
+    def __call__(self, done: int, total: int, unit: str = "block") -> None: ...
+
+
 TrainProgress = Callable[[int, int, float], None]  # (step, steps, loss) of QAT / uptraining
 
 

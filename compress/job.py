@@ -107,6 +107,11 @@ def preflight(src, cfg: QuantizeConfig, trust_remote_code: bool) -> None:
         require(mt, "rotate")
     if getattr(cfg, "kv_heads", None):
         require(mt, "gqa")
+    if cfg.method == "qat" and cfg.qat.self_data > 0:  # sampling needs a start token (transformers fills defaults)
+        from transformers import AutoConfig
+
+        from compress.selfdata import start_token
+        start_token(AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code))
 
 
 def stream_folder(src, trust_remote_code: bool) -> Path:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from compress import awq, gptq, quant, selfdata
-from compress.calibrate import QuantizeReport, Run, decoder_layers, layers_name, target_linears
+from compress.calibrate import Progress, QuantizeReport, Run, decoder_layers, layers_name, target_linears
 from compress.checkpoint import set_module
 from compress.config import QuantizeConfig
 from compress.qlinear import QuantLinear
@@ -201,7 +201,7 @@ def _first_tokens(batches: list[Tensor], n_tokens: int) -> list[Tensor]:
     return used
 
 
-def init_ptq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], progress=None
+def init_ptq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], progress: Progress | None = None
              ) -> dict[str, FakeQuantLinear]:
     """Run the config's ``init`` method (AWQ or GPTQ, with the config's awq / gptq options) on the first
     PTQ_INIT_TOKENS tokens, then wrap each result so that the initial fake-quantized model equals it exactly:
@@ -245,14 +245,15 @@ def freeze(model: nn.Module) -> int:
     return len(names)
 
 
-def with_self_data(ids: Tensor, teacher: nn.Module, share: float, seed: int) -> tuple[Tensor, float]:
+def with_self_data(ids: Tensor, teacher: nn.Module, share: float, seed: int,
+                   progress: Progress | None = None) -> tuple[Tensor, float]:
     """``ids [n, seqlen]`` with its last ``round(share * n)`` windows replaced by windows the teacher samples
     (compress/selfdata.py), and the seconds that took."""
     n_self = round(share * ids.shape[0])
     if n_self == 0:
         return ids, 0.0
     t0 = time.perf_counter()
-    sampled = selfdata.sample_windows(teacher, n_self, ids.shape[1], seed=seed)
+    sampled = selfdata.sample_windows(teacher, n_self, ids.shape[1], seed=seed, progress=progress)
     seconds = time.perf_counter() - t0
     log.info("QAT: the fp model sampled %d of %d training windows in %.0f s", n_self, ids.shape[0], seconds)
     return torch.cat([ids[:ids.shape[0] - n_self], sampled]), seconds
@@ -274,7 +275,7 @@ def trainable_groups(fakes: dict[str, FakeQuantLinear], lr: float, scale_lr: flo
 
 
 def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher: nn.Module | None = None,
-          progress=None, train_progress: TrainProgress | None = None) -> QATResult:
+          progress: Progress | None = None, train_progress: TrainProgress | None = None) -> QATResult:
     """QAT of ``model`` in place with a :class:`compress.config.QuantizeConfig` (method qat): PTQ init,
     distillation from ``teacher`` (default: a copy of ``model`` as given), then freeze to QuantLinears."""
     if not batches:
@@ -287,7 +288,7 @@ def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher:
     for p in teacher.parameters():
         p.requires_grad_(False)
     opts = cfg.qat
-    ids, self_seconds = with_self_data(ids, teacher, opts.self_data, cfg.seed)
+    ids, self_seconds = with_self_data(ids, teacher, opts.self_data, cfg.seed, progress)
     if opts.init in PTQ_INITS:
         fakes = init_ptq(model, cfg, batches, progress)
     else:

@@ -80,3 +80,22 @@ def test_with_self_data_replaces_the_last_share_of_the_windows():
 def test_a_share_outside_0_1_is_refused(share):
     with pytest.raises(ValueError, match=r"self_data=.*\[0, 1\)"):
         QATOptions(self_data=share)
+
+
+def test_progress_counts_windows():
+    seen = []
+    with one_thread():
+        selfdata.sample_windows(tiny_model("llama"), 5, 4, batch_size=2, progress=lambda *a: seen.append(a))
+    assert seen == [(2, 5, "window"), (4, 5, "window"), (5, 5, "window")]
+
+
+def test_a_model_without_a_start_token_is_refused_before_its_weights_load(tmp_path):
+    from compress.config import load_recipe
+    from compress.job import quantize_to_folder
+
+    src = tmp_path / "qwen2"
+    tiny_model("qwen2").config.save_pretrained(src)  # a config only: loading weights would fail otherwise
+    cfg = load_recipe("rot-qat4").replace(self_data=0.5)
+    with pytest.raises(ValueError, match="qwen2 declares neither bos_token_id nor eos_token_id"):
+        quantize_to_folder(str(src), cfg, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
