@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 class Progress(Protocol):
     """(done, total) of a pass over ``unit``s: blocks (calibration, KV fitting), or windows (QAT sampling its own
-    training text, compress/selfdata.py). A pass starts anew at done == 1."""
+    training text, compress/selfdata.py). A new pass begins at done == 1 or with another unit (sampling reports
+    once per batch of windows, so its first call may be done > 1)."""
 
     def __call__(self, done: int, total: int, unit: str = "block") -> None: ...
 
