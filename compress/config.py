@@ -111,7 +111,8 @@ class QATOptions:
         if not 0 <= self.scale_lr < 1:
             raise ValueError(f"scale_lr={self.scale_lr} must be in [0, 1), e.g. 1e-3 (0 keeps the scales fixed)")
         if not 0 <= self.self_data < 1:
-            raise ValueError(f"self_data={self.self_data} must be a share in [0, 1), e.g. 0.5 (0: calibration text only)")
+            raise ValueError(f"self_data={self.self_data} must be a share in [0, 1), e.g. 0.5 "
+                             "(0: calibration text only)")
 
 
 GROUPS = {"gptq": GPTQOptions, "awq": AWQOptions, "qat": QATOptions}

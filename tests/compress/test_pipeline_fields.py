@@ -82,7 +82,8 @@ CHANGE = {
     "sequential": False,
     "weighted_range": True,
     "grid": 3, "duo_scaling": False, "clip": False, "search_tokens": 8, "clip_tokens": 4, "clip_grid": 4,
-    "rounding": "gptq", "init": "awq", "steps": 3, "lr": 1e-2, "scale_lr": 0.0, "learn_zero": True, "lr_in_steps": True, "self_data": 0.5,
+    "rounding": "gptq", "init": "awq", "steps": 3, "lr": 1e-2, "scale_lr": 0.0, "learn_zero": True, "lr_in_steps": True,
+    "self_data": 0.5,
     "train_dtype": "bfloat16", "ignore": ("lm_head", "o_proj"), "moe_min_tokens": 10_000,
 }
 # a MoE model's other linears stay fp, so its experts see the same routed tokens whatever the dense path does
