@@ -163,12 +163,18 @@ class StreamedBlocks(BlockStore):
             stop = start + slab.shape[0]
             rows.append(slab[ids[(ids >= start) & (ids < stop)] - start])
             start = stop
-        full = emb.weight
+        full, pad = emb.weight, getattr(emb, "padding_idx", None)
         emb.weight = nn.Parameter(torch.cat(rows), requires_grad=False)
+        # padding_idx indexes the full vocabulary (often one of its last rows) and only masks gradients: the
+        # compacted table may not hold that row, and nn.Embedding refuses an index past its end
+        if pad is not None:
+            emb.padding_idx = None
         try:
             return capture_inputs(model, [torch.searchsorted(ids, b) for b in batches], self.offload)
         finally:
             emb.weight = full
+            if pad is not None:
+                emb.padding_idx = pad
 
     def _write(self, tensors: dict[str, Tensor | Lazy]) -> None:
         self.parts.append(self.out / f".part-{len(self.parts):05d}.safetensors")

@@ -139,3 +139,24 @@ def test_stream_refuses_what_needs_the_whole_model(tmp_path, smol_tokenizer):
     src = _save(tmp_path, "llama", smol_tokenizer)
     with pytest.raises(ValueError, match="trains the whole model"):
         quantize_to_folder(str(src), load_recipe("qat4"), str(tmp_path / "o"), stream=True)
+
+
+@pytest.mark.parametrize("recipe", ["gptq4", "awq4", "awq-gptq4"])
+def test_pad_id_at_the_vocabulary_end_streams(tmp_path, smol_tokenizer, calib_text, recipe):
+    """Real configs put the pad id in the vocabulary's last rows (Qwen2: 151,643 of 151,936); the streamed capture
+    looks up only the rows the calibration tokens use, so the embedding's padding_idx must not outlive that swap."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import tiny_config
+
+    config = tiny_config("qwen2", vocab=len(smol_tokenizer))
+    config.pad_token_id = len(smol_tokenizer) - 1
+    torch.manual_seed(0)
+    src = tmp_path / "qwen2"
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(src)
+    smol_tokenizer.save_pretrained(src)
+    cfg = load_recipe(recipe).replace(calib=str(calib_text), nsamples=4, seqlen=32, batch_size=2)
+    streamed = quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True)
+    whole = quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False)
+    a, b = _tensors(streamed.out), _tensors(whole.out)
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
