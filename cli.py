@@ -13,15 +13,51 @@ import click
 from compress.exporters.dispatch import FORMATS as EXPORT_FORMATS  # the one list of export formats (loads no exporter)
 
 
-class CompressGroup(click.Group):
-    """Turns the library's user-facing errors into one clear line and a non-zero exit."""
+class StepFault(Exception):
+    """A fault inside a command (not bad input), with the command and model it happened on."""
+
+    def __init__(self, command: str, spec: str | None, cause: Exception):
+        super().__init__(str(cause))
+        self.command, self.spec, self.cause = command, spec, cause
+
+
+class StepCommand(click.Command):
+    """Hands a fault raised inside the command to the group with the command's name and MODEL."""
 
     def invoke(self, ctx):
+        from compress.errors import USER_ERRORS
+
         try:
             return super().invoke(ctx)
-        except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, MemoryError) as e:
+        except (*USER_ERRORS, click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as e:
+            spec = ctx.params.get("model_spec")
+            raise StepFault(ctx.info_name, None if spec is None else str(spec), e) from e
+
+
+class CompressGroup(click.Group):
+    """Turns the library's user-facing errors into one clear line (exit 2) and a fault inside a step into one
+    line naming the step, the model type and the cause (exit 1; the traceback with -v)."""
+
+    command_class = StepCommand
+
+    def invoke(self, ctx):
+        from compress.errors import REPORT_HINT, USER_ERRORS, fault_line
+
+        try:
+            return super().invoke(ctx)
+        except USER_ERRORS as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+        except StepFault as f:
+            if ctx.params.get("verbose"):
+                import traceback
+
+                traceback.print_exception(f.cause, file=sys.stderr)
+            click.echo(fault_line(f.command, f.spec, f.cause), err=True)
+            click.echo(REPORT_HINT, err=True)
+            sys.exit(1)
 
 
 @click.group(cls=CompressGroup)

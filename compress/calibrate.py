@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from compress.checkpoint import set_module
+from compress.errors import during
 from compress.mappings import KEEP_FP
 from compress.offload import DiskTensors, empty_like
 from compress.qlinear import QuantLinear
@@ -193,10 +194,19 @@ def autocast_of(calib_dtype: str) -> torch.dtype | None:
     return torch.bfloat16 if calib_dtype == "bfloat16" else None
 
 
+def _tagged(per_block: PerBlock, n: int) -> PerBlock:
+    """``per_block`` whose faults say which block they happened in (compress/errors.py)."""
+    def tagged(i: int, block: nn.Module, inputs: BlockInputs | None) -> None:
+        with during(f"quantizing block {i} of {n}"):
+            per_block(i, block, inputs)
+    return tagged
+
+
 def run_blocks(model: nn.Module, per_block: PerBlock, progress: Progress | None = None,
                store: BlockStore = IN_MEMORY) -> None:
     """Call ``per_block(i, block, None)`` for each decoder block in order: no activations (data-free methods)."""
     layers = decoder_layers(model)
+    per_block = _tagged(per_block, len(layers))
     for i, block in enumerate(layers):
         store.load(i, block)
         per_block(i, block, None)
@@ -210,8 +220,10 @@ def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
     """Call ``per_block(i, block, inputs)`` for each decoder block in order, feeding each block the
     outputs of the already-processed (quantized) previous block."""
     layers = decoder_layers(model)
+    per_block = _tagged(per_block, len(layers))
     store.load(0, layers[0])
-    inputs = store.capture(model, batches)
+    with during("capturing the first block's inputs"):
+        inputs = store.capture(model, batches)
     inputs.autocast = autocast
     check_finite(inputs.hidden, "entering block 0")
     for i, block in enumerate(layers):

@@ -84,9 +84,27 @@ def test_failure_mid_write_leaves_nothing(tiny_dir, tmp_path, monkeypatch, strea
         raise OSError("disk full")
 
     monkeypatch.setattr(writer, boom)
-    with pytest.raises(OSError):
-        run("quantize", "--recipe", "rtn4", "--model", tiny_dir, "--group-size", 32, "--out", tmp_path / "q", stream)
+    res = run("quantize", "--recipe", "rtn4", "--model", tiny_dir, "--group-size", 32, "--out", tmp_path / "q", stream)
+    assert res.exit_code == 1 and "OSError: disk full" in res.output
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_fault_inside_a_step_is_one_line_naming_step_model_and_block(tiny_dir, tmp_path, monkeypatch, verbose):
+    """A fault deep inside a method (here in GPTQ's block pass) on a model nobody tried: one line naming the command,
+    the model type, the block and the cause, no traceback unless -v, a non-zero exit and no output folder."""
+    def boom(*a, **k):
+        raise AssertionError("Padding_idx must be within num_embeddings")
+
+    monkeypatch.setattr("compress.rtn.quantize_weight", boom)
+    res = run(*(["-v"] if verbose else []), "quantize", "--recipe", "rtn4", "--model", tiny_dir, "--out",
+              tmp_path / "q")
+    lines = [line for line in res.output.splitlines() if line.startswith("error: ")]
+    assert res.exit_code == 1 and len(lines) == 1, res.output
+    assert lines[0].startswith(f"error: quantize failed on {tiny_dir} (model type llama) while quantizing block 0 of")
+    assert lines[0].endswith("AssertionError: Padding_idx must be within num_embeddings")
+    assert "-v" in res.output and ("Traceback" in res.output) == verbose
+    assert not (tmp_path / "q").exists() and list(tmp_path.glob(".q.tmp-*")) == []
 
 
 def test_killed_quantize_leaves_nothing(tiny_dir, tmp_path, calib_text):
