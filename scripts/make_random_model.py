@@ -6,6 +6,7 @@ even the 8B shape (about 16 GB) is written in well under 1 GB of memory.
 
     python scripts/make_random_model.py --shape 8b --out out/random-8b
     python scripts/make_random_model.py --shape 1.5b --out out/random-1.5b
+    python scripts/make_random_model.py --shape 0.5b --out out/random-0.5b   # also 1b, 270m: large vocabularies
     python scripts/make_random_model.py --shape 8b --layers 4 --out out/random-8b-4l   # the 8B block, fewer of them
 """
 from __future__ import annotations
@@ -20,11 +21,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SHAPES = {  # Llama 3 8B, and a Qwen2-1.5B-sized Llama
+# Llama-shaped models of the sizes people bring, with their vocabularies and special ids (pad/bos/eos in the
+# vocabulary's last rows for the Qwen-sized ones): Llama 3 8B; Qwen2-1.5B-, Qwen2-0.5B- and Llama-3.2-1B-sized
+# ones; and a 270M with a 262,144-row tied embedding (over 60% of its parameters)
+SHAPES = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0),
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0,
+                 pad_token_id=151643, bos_token_id=151643, eos_token_id=151645),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+               bos_token_id=128000, eos_token_id=128009, pad_token_id=128004,
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "270m": dict(hidden_size=640, num_hidden_layers=18, intermediate_size=2048, num_attention_heads=4,
+                 num_key_value_heads=1, vocab_size=262144, tie_word_embeddings=True, rope_theta=1000000.0,
+                 pad_token_id=0, eos_token_id=1, bos_token_id=2),
 }
 STD = 0.02
 SHARD_BYTES = 2 << 30
