@@ -197,3 +197,37 @@ def test_gguf_export(folders, real, tmp_path):
     for k, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("pad_token_id", "tokenizer.ggml.padding_token_id")):
         if isinstance(getattr(tiny, k, None), int) and key in fields:
             assert fields[key] == getattr(tiny, k)
+
+
+def _windowed(real) -> int | None:
+    """The published sliding window when some layer uses it and it is short enough to cross here."""
+    tiny = tiny_config(real)
+    window = getattr(tiny, "sliding_window", None)
+    if window and window <= 4096 and "sliding_attention" in (getattr(tiny, "layer_types", None) or []):
+        return window
+    return None
+
+
+def _window_params():
+    for r in REALS:
+        if _windowed(r):  # a 4,120-token prompt (Gemma 2) is 15-20 s of fp32 reference here: slow
+            yield pytest.param(r, id=r.id, marks=pytest.mark.slow if _windowed(r) > 1024 else ())
+
+
+@pytest.mark.parametrize("real", _window_params())
+def test_engine_crosses_the_published_sliding_window(folders, real):
+    """A prompt past the published window (Gemma 3's 512; Gemma 2's 4,096 in the slow run): the engine's sliding
+    layers attend to the last ``sliding_window`` positions as transformers' do, its full layers to all."""
+    from compress.checkpoint import load_quantized
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.sequence import SamplingParams
+
+    out = folders(real, "rtn4")
+    ref = load_quantized(out)
+    p = torch.randint(3, KEPT_IDS, (_windowed(real) + 24,), generator=torch.Generator().manual_seed(7)).tolist()
+    ids = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=4,
+                       min_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    engine = Engine(EngineConfig(model=str(out), kv_cache_memory=1 << 26, quant_kernel="dequant", dtype="float32"))
+    got = engine.generate([p], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    assert got == ids[0, len(p):].tolist()
