@@ -265,12 +265,14 @@ def check_config(config: dict, trust_remote_code: bool = False, what: str = "thi
         raise ValueError(f"{what}'s config.json lacks {', '.join(missing)} (model_type "
                          f"{config.get('model_type')!r}); a decoder-only causal LM config is expected")
     mt = config["model_type"]
-    if config.get("auto_map") and not trust_remote_code:
+    from transformers import CONFIG_MAPPING
+
+    # a published config may keep the auto_map of the code it shipped before transformers had the model (Phi-3.5,
+    # Phi-4-mini): transformers then runs its own implementation, as runtime/models/hf_backend.py does
+    if config.get("auto_map") and not trust_remote_code and mt not in CONFIG_MAPPING:
         raise ValueError(f"model_type {mt!r} of {what} runs its own Python code (auto_map in config.json); pass "
                          "--trust-remote-code (trust_remote_code=True) only if you trust its source")
     if mt not in FAMILIES and not config.get("auto_map"):
-        from transformers import CONFIG_MAPPING
-
         if mt not in CONFIG_MAPPING:
             raise ValueError(f"model_type {mt!r} of {what} is unknown to this transformers and has no code of its "
                              f"own; known families: {', '.join(FAMILIES)}")

@@ -1,4 +1,5 @@
-"""Write the family x step support matrix into README.md from compress/families.py (``--check``: exit 1 if stale).
+"""Write the family x step support matrix into README.md from compress/families.py (``--check``: exit 1 if stale),
+with the published checkpoints whose configs the tests build tiny models from (tests/configs/<model_type>/).
 
     python scripts/support_matrix.py            # rewrite the table between the README's markers
     python scripts/support_matrix.py --check    # fail when the README's table is not what the family table says
@@ -11,11 +12,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+REAL_CONFIGS = ROOT / "tests" / "configs"  # <model_type>/<org>--<name>.json, read by tests/test_real_configs.py
 START, END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
 YES, NO = "yes", "-"
 
 COLUMNS = ("family", "rtn, gptq, nf4, int8", "awq", "rotate", "kv-heads (gqa)", "MoE experts",
-           "compressed-tensors, gptq, awq", "onnx, onnx-int4", "gguf", "runtime")
+           "compressed-tensors, gptq, awq", "onnx, onnx-int4", "gguf", "runtime", "real configs tested")
+
+
+def real_configs(model_type: str) -> str:
+    """The checkpoints (names without their org) whose configs tests/test_real_configs.py runs for the family."""
+    names = sorted(p.stem.split("--", 1)[-1] for p in (REAL_CONFIGS / model_type).glob("*.json"))
+    return ", ".join(names) if names else NO
 
 
 def row(model_type: str) -> list[str]:
@@ -32,7 +40,7 @@ def row(model_type: str) -> list[str]:
     return [f"`{model_type}`", YES, mark(supports(model_type, "awq")), mark(supports(model_type, "rotate")),
             mark(supports(model_type, "gqa")), "packed" if fam.experts is not None else NO, mark(per_linear),
             mark(supports(model_type, "onnx")), f"`{fam.gguf.name}`" if fam.gguf is not None else NO,
-            "native" if fam.runtime else "transformers"]
+            "native" if fam.runtime else "transformers", real_configs(model_type)]
 
 
 def table() -> str:
