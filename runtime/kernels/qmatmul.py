@@ -13,11 +13,12 @@ the rounding of its compute dtype):
   channel scale; an asymmetric zero adds ``rowsum(x) * (128 - z) * scale``. bf16 activations; ``K``
   padded to a multiple of 64 (the kernel misbehaves otherwise).
 - ``w8a8`` (runtime/kernels/w8a8.py, with the fused CPU kernels on a CPU with AVX512-VNNI): 4- and 8-bit
-  integer codes in any group that is a multiple of 32, act-order included, times activations rounded to
+  integer codes and NF4 codes (4 bits a weight, through a 16-entry table in the register) in any group that
+  is a multiple of 32, act-order included, times activations rounded to
   int8 per block of 32 inside the kernel (llama.cpp's Q8 activations); integer dot products (vpdpbusd).
   It replaces int4pack/int8pack where it runs: about 3x faster than int4pack at batch 1 on the AMD EPYC.
 - ``dense``: the weight dequantized once into the compute dtype (exactly ``QuantLinear``'s numbers),
-  for every other format (2/3-bit, nf4, grouped int8) and for ``quant_kernel="dequant"``.
+  for every other format (2/3-bit, grouped int8; nf4 without VNNI) and for ``quant_kernel="dequant"``.
 
 Plain (unquantized) linears of a bf16 model run as ``mkldnn``: the weight reordered once into oneDNN's
 blocked layout (``mkldnn._reorder_linear_weight``), which runs the same bf16 products as ``F.linear``

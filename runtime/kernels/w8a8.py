@@ -6,6 +6,10 @@ activations are rounded to int8 per block of 32 inside the kernel (as llama.cpp 
 products), which is the only numeric difference from ``QuantLinear.forward``; ``w8a8_reference`` is the
 same computation in torch, for the tests. The kernel exists for few rows (batch-1 and small-batch decode):
 ``runtime/kernels/qmatmul.py`` routes larger calls to a bf16 GEMM.
+
+NF4 codes stay 4 bits a weight: the kernel maps each through a 16-entry table (:func:`nf4_table`) to the
+8-bit code ``round(127 * NF4[q]) + 128`` with zero point 128 and scale ``absmax / 127``; the table's rounding
+moves a weight by at most 1/254 of its group's absmax, a tenth of NF4's own finest half-step (0.04).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compress.qlinear import QuantLinear
+from compress.quant import nf4_codebook
 
 BLOCK = 32  # activation quantization block (qgemv.cpp's QB)
 
@@ -60,6 +65,23 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(xb * inv[..., None]).reshape(x.shape), s
 
 
+NF4_UNIT = 127.0  # the table's codes are NF4 values in units of 1/127 of the group's absmax, offset by 128
+
+
+def nf4_table() -> Tensor:
+    """uint8 [16]: the 8-bit code each NF4 code stands for in the kernel (zero point 128)."""
+    return (torch.round(nf4_codebook() * NF4_UNIT) + 128).to(torch.uint8)
+
+
+def kernel_codes(ql: QuantLinear) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(codes [N, K], scale [N, G], zero [N, G] in code units, lut or None): what the kernel multiplies."""
+    s, scale = ql.scheme, ql.scales.float()
+    if s.format == "nf4":
+        return ql.codes(), scale / NF4_UNIT, torch.full_like(scale, 128.0), nf4_table()
+    zero = ql.qzeros.float() if ql.qzeros is not None else torch.full_like(scale, s.sym_zero)
+    return ql.codes(), scale, zero, None
+
+
 def w8a8_reference(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group: int) -> Tensor:
     """The kernel's result in torch: x [M, K], codes/zero [N, K]/[N, G] in code units, scale [N, G]; fp32."""
     xq, sa = quantize_activations(x)
@@ -76,37 +98,35 @@ def fits(ql: QuantLinear) -> bool:
     """Whether the kernel can carry ``ql``: 4- or 8-bit integer codes in groups (or channels) of multiples of 32
     (act-order groups must also fold into contiguous ones: runtime/kernels/qmatmul.py checks that)."""
     s = ql.scheme
-    return s.format == "int" and s.bits in (4, 8) and s.group(ql.in_features) % BLOCK == 0
+    return ((s.format == "int" and s.bits in (4, 8)) or s.format == "nf4") and s.group(ql.in_features) % BLOCK == 0
 
 
 class W8A8Linear(nn.Module):
-    """A 4-bit or 8-bit integer QuantLinear (any group multiple of 32, act-order) for qgemv.cpp."""
+    """A 4-bit or 8-bit integer or an NF4 QuantLinear (any group multiple of 32, act-order) for qgemv.cpp."""
 
     path = "w8a8"
 
     def __init__(self, ql: QuantLinear, perm: Tensor | None = None):
         super().__init__()
         s = ql.scheme
-        assert s.format == "int" and s.bits in (4, 8)
+        assert fits(ql), s
         self.in_features, self.out_features, self.bits = ql.in_features, ql.out_features, s.bits
         self.group = s.group(ql.in_features)
         assert self.group % BLOCK == 0, self.group
         n_groups = s.n_groups(ql.in_features)
         self.k_pad = n_groups * self.group - ql.in_features  # a ragged last group: zero inputs meet any code
         self.perm = perm  # act-order: input columns in group order
-        codes = ql.codes()
+        codes, scale, zero, self.lut = kernel_codes(ql)
         if perm is not None:
             codes = codes[:, perm]
         self.register_buffer("weight", pack_tiles(F.pad(codes, (0, self.k_pad)), s.bits))
-        scale = ql.scales.float()
-        zero = ql.qzeros.float() if ql.qzeros is not None else torch.full_like(scale, s.sym_zero)
         self.register_buffer("scale", tile_rows(scale))
         self.register_buffer("szero", tile_rows(scale * zero))
         self.bias = None if ql.bias is None else ql.bias.detach().float()
         self.direct = perm is None and not self.k_pad and self.bias is None  # the decode step's case
         # the op's arguments after x, as a plain attribute: buffer lookups through nn.Module cost ~1 us each,
         # a noticeable share of a ~15 us call
-        self._args = (self.weight, self.scale, self.szero, self.bits, self.group, self.out_features)
+        self._args = (self.weight, self.scale, self.szero, self.bits, self.group, self.out_features, self.lut)
         self._op = torch.ops.compress_cpu.w8a8_linear.default
 
     def forward(self, x: Tensor) -> Tensor:

@@ -44,6 +44,9 @@ CASES = [
     (64, 192, Scheme(8, -1, sym=False), False, True),
     (40, 160, Scheme(8, 32, sym=True), False, False),
     (24, 128, Scheme(8, 64, sym=False), True, False),
+    (64, 256, Scheme(4, 64, format="nf4"), False, False),  # nf4: 4-bit codes through the kernel's table
+    (40, 576, Scheme(4, 128, format="nf4"), True, True),
+    (17, 96, Scheme(4, -1, format="nf4"), False, False),
 ]
 
 
@@ -63,12 +66,13 @@ def test_kernel_matches_reference_and_quantlinear(out_f, in_f, scheme, act_order
     if kernel.perm is not None:
         xs = xs[:, kernel.perm]
     xs = torch.nn.functional.pad(xs, (0, kernel.k_pad))
-    codes = ql.codes()
+    codes, scale, zero, lut = w8a8.kernel_codes(ql)
+    if lut is not None:
+        codes = lut[codes.long()]
     if kernel.perm is not None:
         codes = codes[:, kernel.perm]
     codes = torch.nn.functional.pad(codes, (0, kernel.k_pad))
-    zero = ql.qzeros if ql.qzeros is not None else torch.full_like(ql.scales, scheme.sym_zero)
-    ref = w8a8.w8a8_reference(xs, codes, ql.scales, zero, kernel.group)
+    ref = w8a8.w8a8_reference(xs, codes, scale, zero, kernel.group)
     if bias:
         ref = ref + ql.bias.float()
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
@@ -102,3 +106,13 @@ def test_without_vnni_the_int4pack_path_runs(monkeypatch):
     monkeypatch.setattr(w8a8, "available", lambda: False)
     ql = random_qlinear(64, 128, Scheme(4, 32, sym=False))
     assert prepare_linear(ql, "packed", torch.float32, fused=True).path == "int4pack"
+
+
+def test_nf4_table_is_the_codebook_within_a_tenth_of_its_finest_half_step():
+    from compress.quant import nf4_codebook
+
+    table = (w8a8.nf4_table().float() - 128) / w8a8.NF4_UNIT
+    cb = nf4_codebook()
+    assert (table - cb).abs().max() <= 0.5 / w8a8.NF4_UNIT + 1e-7
+    assert (table - cb).abs().max() < 0.1 * (cb.diff().min() / 2)
+    assert table[7] == 0 and table[0] == -1 and table[15] == 1  # exact zero and ends

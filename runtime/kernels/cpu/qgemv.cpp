@@ -11,12 +11,15 @@
 // q - z, not the larger q):
 //     y[n] = sum_b s[n,g(b)] * sa[b] * <q[n,b], xq[b]>  -  sum_g s[n,g] * z[n,g] * sum_{b in g} sa[b] * sum(xq[b])
 // runtime/kernels/w8a8.py packs the weights (pack_tiles) and holds the torch reference (w8a8_reference).
+// A table (LUT) maps 4-bit codes to 8-bit ones in the register (vpshufb) before the dot products: NF4 codes
+// become round(127 * NF4[q]) + 128 with zero point 128 and scale / 127, so nf4 reads 4 bits a weight like int4.
 #include "common.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -61,12 +64,15 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, int8_t* q, f
 // Output rows in tiles of 16, one per int32 lane: a weight vector holds 4 consecutive codes of each of 16 rows,
 // and a broadcast of 4 activation codes meets it in one vpdpbusd, so a 32-block of 16 rows is 8 vpdpbusd into
 // one int32 vector, converted and scaled once; no horizontal sums. Tiles in parallel.
-template <int BITS, int M, typename T>
+template <int BITS, int M, bool LUT, typename T>
 void gemv_tiles(const uint8_t* w, const float* scale, const float* szero, const int8_t* xq, const float* sa,
-                const float* gsum, const int32_t* gidx, T* out, int64_t k, int64_t n_out, int64_t group, int64_t t0,
-                int64_t t1) {
+                const float* gsum, const int32_t* gidx, const uint8_t* lut, T* out, int64_t k, int64_t n_out,
+                int64_t group, int64_t t0, int64_t t1) {
   const int64_t nb = k / QB, ng = k / group, block_bytes = 16 * QB * BITS / 8;
   const __m512i mask = _mm512_set1_epi8(0x0F);
+  // the 16-entry table in each 128-bit lane, as vpshufb indexes it per lane
+  const __m512i table = LUT ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut)))
+                            : _mm512_setzero_si512();
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = w + t * nb * block_bytes;
     const float* ts = scale + t * ng * 16;
@@ -83,7 +89,11 @@ void gemv_tiles(const uint8_t* w, const float* scale, const float* szero, const 
       for (int p = 0; p < 4; ++p) {
         if constexpr (BITS == 4) {  // 64 bytes: codes k = 8p..8p+3 (low nibbles) and 8p+4..8p+7 (high)
           const __m512i v = _mm512_loadu_si512(wb + p * 64);
-          const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+          __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+          if constexpr (LUT) {
+            lo = _mm512_shuffle_epi8(table, lo);
+            hi = _mm512_shuffle_epi8(table, hi);
+          }
 #pragma GCC unroll 8
           for (int r = 0; r < M; ++r) {
             const int32_t* xr = reinterpret_cast<const int32_t*>(xq + r * k + b * QB) + 2 * p;
@@ -132,15 +142,20 @@ bool has_vnni() {
 
 // y [M, N] = x [M, K] @ dequant(w)^T, y in x's dtype. w: the codes of N rows padded to tiles of 16, as uint8
 // [tiles, K * 16 * bits / 8] in qmatmul.py's pack_tiles layout; scale and szero = scale * zero: fp32
-// [tiles, G, 16] (G = K / group). K a multiple of 32, the group a multiple of 32 dividing K.
+// [tiles, G, 16] (G = K / group). K a multiple of 32, the group a multiple of 32 dividing K. lut: uint8 [16],
+// 4-bit codes only: each code q stands for lut[q] (zero and scale in lut units).
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& szero,
-                       int64_t bits, int64_t group, int64_t n_out) {
+                       int64_t bits, int64_t group, int64_t n_out, const std::optional<at::Tensor>& lut) {
   TORCH_CHECK(has_vnni(), "w8a8_linear needs AVX512-VNNI, which this build of the kernels lacks");
   check_cpu(x, "x");
   check_cpu(w, "w");
   check_cpu(scale, "scale");
   check_cpu(szero, "szero");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const bool has_lut = lut.has_value() && lut->defined();
+  TORCH_CHECK(!has_lut || (bits == 4 && lut->scalar_type() == at::kByte && lut->numel() == 16 && lut->is_contiguous()),
+              "lut: a contiguous uint8 [16] table, for 4-bit codes");
+  const uint8_t* lut_p = has_lut ? lut->data_ptr<uint8_t>() : nullptr;
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kByte, "x [M, K] and uint8 w [tiles, bytes]");
   const int64_t m = x.size(0), k = x.size(1), tiles = w.size(0);
   TORCH_CHECK(k % QB == 0 && group % QB == 0 && k % group == 0, "K (", k, ") and the group (", group,
@@ -168,27 +183,29 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       const float* gp = gsum.data() + r0 * ng;
       scalar_t* op = out.data_ptr<scalar_t>() + r0 * n_out;
       at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-        auto run = [&](auto bits_c, auto m_c) {
-          gemv_tiles<decltype(bits_c)::value, decltype(m_c)::value, scalar_t>(
-              w.data_ptr<uint8_t>(), scale.data_ptr<float>(), szero.data_ptr<float>(), xp, sp, gp, gidx.data(), op, k,
-              n_out, group, begin, end);
+        auto run = [&](auto bits_c, auto lut_c, auto m_c) {
+          gemv_tiles<decltype(bits_c)::value, decltype(m_c)::value, decltype(lut_c)::value, scalar_t>(
+              w.data_ptr<uint8_t>(), scale.data_ptr<float>(), szero.data_ptr<float>(), xp, sp, gp, gidx.data(), lut_p,
+              op, k, n_out, group, begin, end);
         };
-        auto with_m = [&](auto bits_c) {
+        auto with_m = [&](auto bits_c, auto lut_c) {
           switch (mr) {
-            case 1: return run(bits_c, std::integral_constant<int, 1>{});
-            case 2: return run(bits_c, std::integral_constant<int, 2>{});
-            case 3: return run(bits_c, std::integral_constant<int, 3>{});
-            case 4: return run(bits_c, std::integral_constant<int, 4>{});
-            case 5: return run(bits_c, std::integral_constant<int, 5>{});
-            case 6: return run(bits_c, std::integral_constant<int, 6>{});
-            case 7: return run(bits_c, std::integral_constant<int, 7>{});
-            default: return run(bits_c, std::integral_constant<int, 8>{});
+            case 1: return run(bits_c, lut_c, std::integral_constant<int, 1>{});
+            case 2: return run(bits_c, lut_c, std::integral_constant<int, 2>{});
+            case 3: return run(bits_c, lut_c, std::integral_constant<int, 3>{});
+            case 4: return run(bits_c, lut_c, std::integral_constant<int, 4>{});
+            case 5: return run(bits_c, lut_c, std::integral_constant<int, 5>{});
+            case 6: return run(bits_c, lut_c, std::integral_constant<int, 6>{});
+            case 7: return run(bits_c, lut_c, std::integral_constant<int, 7>{});
+            default: return run(bits_c, lut_c, std::integral_constant<int, 8>{});
           }
         };
-        if (bits == 4)
-          with_m(std::integral_constant<int, 4>{});
+        if (bits == 8)
+          with_m(std::integral_constant<int, 8>{}, std::false_type{});
+        else if (has_lut)
+          with_m(std::integral_constant<int, 4>{}, std::true_type{});
         else
-          with_m(std::integral_constant<int, 8>{});
+          with_m(std::integral_constant<int, 4>{}, std::false_type{});
       });
     }
   });
@@ -200,5 +217,6 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(compress_cpu, m) {
   m.def("has_vnni() -> bool", &has_vnni);
-  m.def("w8a8_linear(Tensor x, Tensor w, Tensor scale, Tensor szero, int bits, int group, int n_out) -> Tensor", &w8a8_linear);
+  m.def("w8a8_linear(Tensor x, Tensor w, Tensor scale, Tensor szero, int bits, int group, int n_out, "
+        "Tensor? lut=None) -> Tensor", &w8a8_linear);
 }
