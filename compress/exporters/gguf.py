@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from compress.exporters import gguf_arch, gguf_quants
-from compress.exporters.common import Source, fp_tensors
+from compress.exporters.common import QuantizedTable, Source, Tables, fp_tensors
 from compress.families import FAMILIES
 from compress.moe_packed import PackedLinears, PackedMoEExperts
 from compress.qlinear import QuantLinear
@@ -174,11 +174,43 @@ def _finish(name: str, enc: Encoded, model: nn.Module, arch: gguf_arch.GGUFArch)
     return enc
 
 
-def plan_tensors(model: nn.Module, arch: gguf_arch.GGUFArch, options: GGUFOptions, embed_type: str) -> dict[str, Encoded]:
-    """Every GGUF tensor by name, encoded; raises before anything is written if one cannot be carried."""
+def table_type(scheme: Scheme, options: GGUFOptions) -> str:
+    """The block type a quantized embedding or head whose codes do not map is rounded again to."""
+    if options.requantize is not None:
+        return options.requantize
+    return {(4, True): "q4_0", (4, False): "q4_1"}.get((scheme.bits, scheme.sym), "q8_0")
+
+
+def encode_table(table: QuantizedTable, options: GGUFOptions) -> Encoded:
+    """A quantized embedding or LM head from its own codes (lossless where the grid maps onto a block type), else
+    its dequantized weights rounded again by llama.cpp's rules, logged: never refused, never widened to F16."""
+    qw = table.weight
+    why = why_not(qw.scheme, qw.q.shape[-1], None)
+    if why is None:
+        return encode_exact(qw, options.k_quants)
+    qtype = table_type(qw.scheme, options)
+    if qw.q.shape[-1] % gguf_quants.BLOCK:
+        log.warning("%s: width %d is not whole 32-wide blocks; written as F16 from its dequantized weights",
+                    table.name, qw.q.shape[-1])
+        return Encoded("f16", qw.dequantize().half(), "requantized")
+    log.warning("%s: its codes do not map onto a GGUF block type (%s); rounding its dequantized weights again "
+                "to %s (not lossless)", table.name, why.split(";")[0], qtype.upper())
+    return replace(encode_float(qw.dequantize(), qtype), how="requantized")
+
+
+def plan_tensors(model: nn.Module, arch: gguf_arch.GGUFArch, options: GGUFOptions, embed_type: str,
+                 tables: Tables | None = None) -> dict[str, Encoded]:
+    """Every GGUF tensor by name, encoded; raises before anything is written if one cannot be carried. Quantized
+    tables become ``token_embd``/``output`` from their codes; a tied head has no ``output`` (llama.cpp then reads
+    ``token_embd``)."""
+    tables = tables or Tables()
     out: dict[str, Encoded] = {}
     packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedMoEExperts)}
-    for key, t in fp_tensors(model, torch.float32).items():
+    for table in (tables.embed, tables.head):
+        if table is not None and not table.tied:
+            (name,) = gguf_arch.gguf_names(table.name, arch)
+            out[f"{name}.weight"] = encode_table(table, options)
+    for key, t in fp_tensors(model, torch.float32, tables, dequantize_embed=False).items():
         if any(key.startswith(f"{p}.") for p in packed):
             continue
         owner, _, leaf = key.rpartition(".")
@@ -190,6 +222,8 @@ def plan_tensors(model: nn.Module, arch: gguf_arch.GGUFArch, options: GGUFOption
                 part = part.reshape(-1)
             out[f"{n}.{suffix}"] = encode_float(part, _float_type(f"{n}.{suffix}", part, embed_type))
     for mod, lin in quantized_linears(model, packed).items():
+        if mod in tables.owners:
+            continue
         names = gguf_arch.gguf_names(mod, arch)
         enc = encode_quantized(_stack(lin), mod, options, embed_type if embed_type in ("f32", "bf16") else "f16")
         for n, part in zip(names, torch.chunk(enc.data, len(names), dim=-2)):
@@ -224,7 +258,7 @@ def provenance(source: Source, tensors: dict[str, Encoded], options: GGUFOptions
         out["compress.k_quants"] = sum(e.qtype == "q4_k" for e in tensors.values())  # tensors with 6-bit scales
     requantized = sorted(n for n, e in tensors.items() if e.how == "requantized")
     if requantized:
-        out["compress.requantize_type"] = str(options.requantize)
+        out["compress.requantize_type"] = str(options.requantize or "/".join(sorted({tensors[n].qtype for n in requantized})))
         out["compress.requantized"] = requantized
     return out
 
@@ -254,11 +288,12 @@ def write(source: Source, path: Path, dtype: torch.dtype, options: GGUFOptions) 
         raise ValueError("--format gguf needs the model's tokenizer beside its weights; none was found")
     embed_type = options.embed_type or {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype, "f16")
     metadata = {**gguf_arch.hparams(config, arch), **vocab_of(source.tokenizer, config.vocab_size).values()}
-    tensors = plan_tensors(model, arch, options, embed_type)
+    tensors = plan_tensors(model, arch, options, embed_type, source.tables)
     requantized = sorted(n for n, e in tensors.items() if e.how == "requantized")
     if requantized:
         log.warning("requantized %d tensor(s) to %s by llama.cpp's rounding (not lossless): %s", len(requantized),
-                    options.requantize, ", ".join(requantized[:4]) + (" ..." if len(requantized) > 4 else ""))
+                    "/".join(sorted({tensors[n].qtype for n in requantized})),
+                    ", ".join(requantized[:4]) + (" ..." if len(requantized) > 4 else ""))
     blocks = Counter(e.qtype for e in tensors.values() if e.qtype in gguf_quants.BYTES_PER_BLOCK)
     main_type = blocks.most_common(1)[0][0] if blocks else embed_type
     metadata.update({"general.name": source.path.name if source.path else source.model_type,

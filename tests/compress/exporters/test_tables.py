@@ -1,0 +1,105 @@
+"""Quantized embedding and LM head (issue 32's checkpoint format) through the export formats: GGUF writes
+``token_embd``/``output`` from our codes; the other formats carry the head as a quantized linear and the embedding
+dequantized; every exported tensor is checked against the checkpoint's own dequantized reference."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from compress.exporters.common import read_tables
+from compress.exporters.dispatch import export
+from compress.exporters.gguf import GGUFOptions
+from compress.quant import Scheme
+
+from .gguf_models import build
+from .tables import with_tables
+
+gguf = pytest.importorskip("gguf")
+BODY = Scheme(4, 32, True)
+
+
+@pytest.fixture(scope="module")
+def tabled(tmp_path_factory):
+    """tabled(family, embed, head) -> a tiny checkpoint (GGUF test tokenizer) with those tables quantized."""
+    bodies, cache = {}, {}
+
+    def make(family: str, embed: Scheme | None, head: Scheme | None):
+        key = (family, embed, head)
+        if key not in cache:
+            if family not in bodies:
+                bodies[family] = build(tmp_path_factory.mktemp("body") / family, family, BODY)
+            cache[key] = with_tables(bodies[family], tmp_path_factory.mktemp("tab") / "q", embed, head)
+        return cache[key]
+
+    return make
+
+
+def _reader(path):
+    r = gguf.GGUFReader(path)
+    return {t.name: t for t in r.tensors}
+
+
+def _deq(t) -> np.ndarray:
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(x) for x in reversed(t.shape)))
+
+
+def _reference(src, which: str) -> torch.Tensor:
+    tables = read_tables(src, 64)
+    return getattr(tables, which).weight.dequantize()
+
+
+def _q4_1_tolerance(src, which: str) -> float:
+    """Q4_1 stores ``m = -scale * zero`` rounded to fp16: the only difference from our values."""
+    qw = getattr(read_tables(src, 64), which).weight
+    m = qw.scale.float() * qw.zero.float()
+    return float((m - m.half().float()).abs().max()) + 1e-7
+
+
+@pytest.mark.parametrize("family,embed,head,types", [
+    ("llama", Scheme(8, 32, True), Scheme(4, 32, True), ("Q8_0", "Q4_0")),  # untied
+    ("qwen2", Scheme(4, 32, False), Scheme(8, 64, True), ("Q4_1", "Q8_0")),  # a group of 64: blocks repeat scales
+    ("gemma", Scheme(4, 32, True), None, ("Q4_0", None)),  # tied: one tensor, no output
+])
+def test_gguf_writes_embedding_and_head_from_our_codes(tabled, tmp_path, family, embed, head, types):
+    src = tabled(family, embed, head)
+    tensors = _reader(export(str(src), "gguf", tmp_path / "m.gguf"))
+    for name, which, qtype in (("token_embd.weight", "embed", types[0]), ("output.weight", "head", types[1])):
+        if qtype is None:
+            assert name not in tensors  # llama.cpp reads token_embd for a tied head
+            continue
+        assert tensors[name].tensor_type.name == qtype, name
+        got, want = _deq(tensors[name]), _reference(src, which).numpy()
+        if qtype == "Q4_1":
+            np.testing.assert_allclose(got, want, rtol=0, atol=_q4_1_tolerance(src, which))
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_gguf_rounds_again_what_does_not_map_and_says_so(tabled, tmp_path, caplog):
+    """8-bit asymmetric codes have no block type: requantized to Q8_0 from the dequantized weights, logged."""
+    src = tabled("llama", Scheme(8, 32, False), None)
+    with caplog.at_level(logging.WARNING, logger="compress.exporters.gguf"):
+        path = export(str(src), "gguf", tmp_path / "m.gguf")
+    assert "model.embed_tokens" in caplog.text and "Q8_0" in caplog.text and "not lossless" in caplog.text
+    reader = gguf.GGUFReader(path)
+    t = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert t.tensor_type.name == "Q8_0"
+    want = _reference(src, "embed")
+    step = want.reshape(want.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127  # Q8_0's step per block
+    err = (torch.from_numpy(_deq(t).copy()).reshape_as(step.expand(-1, -1, 32)) - want.reshape(step.shape[0], -1, 32))
+    assert bool((err.abs() <= 0.6 * step).all())  # half a step, plus d's rounding to fp16 (127 * 2**-11 steps)
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert fields["compress.lossless"] is False and "token_embd.weight" in fields["compress.requantized"]
+
+
+def test_gguf_head_that_does_not_map_is_not_refused(tabled, tmp_path):
+    """A quantized head is listed in ``modules`` like any linear, but GGUF never refuses the tables."""
+    src = tabled("llama", None, Scheme(4, -1, False, "nf4"))
+    tensors = _reader(export(str(src), "gguf", tmp_path / "m.gguf"))
+    assert tensors["output.weight"].tensor_type.name == "Q4_1"
+    assert tensors["token_embd.weight"].tensor_type.name == "F16"  # an fp embedding follows --dtype, as before
+    with pytest.raises(ValueError, match="requantize"):  # the body's own layers are still refused as before
+        export(str(src), "gguf", tmp_path / "k.gguf", options=GGUFOptions(requantize="q9"))
