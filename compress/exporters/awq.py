@@ -58,7 +58,7 @@ def quantization_config(model, qmodules: dict[str, QuantLinear]) -> dict:
 
 def write(source: Source, folder: Path, dtype: torch.dtype) -> None:
     qc = quantization_config(source.model, source.qmodules)
-    tensors = fp_tensors(source.model, dtype)
+    tensors = fp_tensors(source.model, dtype, source.tables)
     for name, m in source.qmodules.items():
         tensors.update(layer_tensors(name, m))
     save_safetensors(tensors, folder / "model.safetensors")

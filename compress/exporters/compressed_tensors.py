@@ -80,7 +80,7 @@ def layer_tensors(name: str, m: QuantLinear, dtype: torch.dtype) -> dict[str, to
 
 
 def write(source: Source, folder: Path, dtype: torch.dtype) -> None:
-    tensors = fp_tensors(source.model, dtype)
+    tensors = fp_tensors(source.model, dtype, source.tables)
     for name, m in source.qmodules.items():
         tensors.update(layer_tensors(name, m, dtype))
     save_safetensors(tensors, folder / "model.safetensors")
