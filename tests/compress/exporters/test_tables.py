@@ -3,6 +3,7 @@
 dequantized; every exported tensor is checked against the checkpoint's own dequantized reference."""
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -103,3 +104,113 @@ def test_gguf_head_that_does_not_map_is_not_refused(tabled, tmp_path):
     assert tensors["token_embd.weight"].tensor_type.name == "F16"  # an fp embedding follows --dtype, as before
     with pytest.raises(ValueError, match="requantize"):  # the body's own layers are still refused as before
         export(str(src), "gguf", tmp_path / "k.gguf", options=GGUFOptions(requantize="q9"))
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, quantized_dir):
+    """small(family, embed, head) -> the shared export fixtures' tiny checkpoint (4-bit sym, group 32) with tables."""
+    cache = {}
+
+    def make(family: str, embed: Scheme | None, head: Scheme | None):
+        key = (family, embed, head)
+        if key not in cache:
+            src = quantized_dir(family=family, bits=4, group=32, sym=True)
+            cache[key] = with_tables(src, tmp_path_factory.mktemp("tab") / "q", embed, head)
+        return cache[key]
+
+    return make
+
+
+UNTIED = ("llama", Scheme(8, 32, True), Scheme(4, 32, True))
+TIED = ("gemma", Scheme(4, 32, False), None)
+
+
+@pytest.mark.parametrize("case", [UNTIED, TIED], ids=["untied", "tied"])
+def test_gptq_carries_the_head_as_a_quantized_layer_and_the_embedding_dequantized(small, tmp_path, case):
+    from safetensors.torch import load_file
+
+    from .test_gptq import reference_dequantize
+
+    src = small(*case)
+    out = export(str(src), "gptq", tmp_path / "g", dtype="float32")
+    tensors = load_file(str(out / "model.safetensors"))
+    qc = json.loads((out / "quantize_config.json").read_text())
+    assert torch.equal(tensors["model.embed_tokens.weight"], _reference(src, "embed"))
+    assert "model.embed_tokens.qweight" not in tensors
+    if case is TIED:
+        assert not any(k.startswith("lm_head") for k in tensors) and not qc["lm_head"]
+        assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+        return
+    assert qc["lm_head"] is True
+    got = reference_dequantize(tensors["lm_head.qweight"], tensors["lm_head.qzeros"], tensors["lm_head.scales"],
+                               tensors["lm_head.g_idx"], 4, offset=1 if qc["checkpoint_format"] == "gptq" else 0)
+    assert torch.equal(got, _reference(src, "head"))
+
+
+def test_awq_carries_the_head_as_a_quantized_layer(small, tmp_path):
+    from safetensors.torch import load_file
+
+    from .test_awq import reference_dequantize
+
+    src = small(*UNTIED)
+    out = export(str(src), "awq", tmp_path / "a", dtype="float32")
+    tensors = load_file(str(out / "model.safetensors"))
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["modules_to_not_convert"] is None and qc["lm_head"] is True
+    got = reference_dequantize(tensors["lm_head.qweight"], tensors["lm_head.qzeros"], tensors["lm_head.scales"], 32)
+    assert torch.equal(got, _reference(src, "head"))
+    assert torch.equal(tensors["model.embed_tokens.weight"], _reference(src, "embed"))
+
+
+@pytest.mark.parametrize("case", [UNTIED, TIED], ids=["untied", "tied"])
+def test_compressed_tensors_quantized_head_loads_in_transformers_with_our_logits(small, tmp_path, case):
+    """The head is a config-group target (by name, so vLLM's ParallelLMHead matches it too); the library
+    decompresses it to our values, and transformers' logits equal the checkpoint's."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from compress.checkpoint import load_quantized
+
+    src = small(*case)
+    out = export(str(src), "compressed-tensors", tmp_path / "c", dtype="float32")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    tensors = load_file(str(out / "model.safetensors"))
+    assert torch.equal(tensors["model.embed_tokens.weight"], _reference(src, "embed"))
+    if case is UNTIED:
+        assert "lm_head" not in qc["ignore"]
+        cfg = QuantizationConfig.model_validate(qc)
+        (group,) = [g for g in cfg.config_groups.values() if "re:^lm_head$" in g.targets]
+        local = {k.removeprefix("lm_head."): v for k, v in tensors.items() if k.startswith("lm_head.")}
+        got = PackedQuantizationCompressor.decompress(local, group)["weight"]
+        assert torch.equal(got, _reference(src, "head"))
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = load_quantized(src)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", [UNTIED, TIED], ids=["untied", "tied"])
+def test_onnx_int4_runs_the_head_through_matmul_nbits(small, tmp_path, case):
+    """The untied head is one more MatMulNBits from our codes; the embedding is a dequantized Gather table."""
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from compress.checkpoint import load_quantized, quantized_modules
+    from compress.exporters.onnx_runner import OnnxCausalLM
+
+    src = small(*case)
+    out = export(str(src), "onnx-int4", tmp_path / "o")
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    ours = load_quantized(src)
+    nbits = [n for n in graph.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == len(quantized_modules(ours)) == 14 + (case is UNTIED)
+    inits = {i.name for i in graph.graph.initializer}
+    assert ("model.lm_head.b" in inits) == ("model.lm_head.weight" not in inits) == (case is UNTIED)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = ours(ids).logits
+    got = OnnxCausalLM(out)(ids).logits
+    assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-3
