@@ -250,17 +250,20 @@ def report_cmd(model_spec, out, recipes, variants, exports, ppl, seqlen, max_win
               "float16 for gguf]; float16 only where a float16 forward of a few tokens stays finite.")
 @click.option("--requantize", default=None, help="gguf: round layers whose integers do not map (group size, "
               "act-order, 3-bit, nf4) again by llama.cpp's rules into q4_0, q4_1 or q8_0 (not lossless).")
-@click.option("--embed-type", default=None, help="gguf: f16, bf16, f32 or q8_0 for the unquantized matrices "
+@click.option("--embed-type", default=None, help="gguf: f16, bf16, f32, q8_0 or q6_k for the unquantized matrices "
               "(embeddings, an fp lm_head) [default: from --dtype].")
+@click.option("--output-type", default=None, help="gguf: the same choice for an unquantized head (output, or a tied "
+              "token_embd) [default: q6_k for a quantized model, as llama.cpp's Q4_K_M, else --embed-type].")
 @click.option("--k-quants", is_flag=True, help="gguf: 4-bit layers whose width divides by 256 as Q4_K (our codes, "
               "scales rounded to 6 bits: smaller than Q4_1, not lossless); the others stay Q4_0/Q4_1.")
-def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type, k_quants):
+def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type, output_type, k_quants):
     """Export a quantized folder (or, for --format onnx/gguf, any model) to another runtime's format."""
     from compress import api
 
-    options = dict(requantize=requantize, embed_type=embed_type, k_quants=k_quants) if fmt == "gguf" else {}
-    if fmt != "gguf" and (requantize or embed_type or k_quants):
-        raise ValueError(f"--requantize, --embed-type and --k-quants apply to --format gguf, not {fmt}")
+    options = (dict(requantize=requantize, embed_type=embed_type, output_type=output_type, k_quants=k_quants)
+               if fmt == "gguf" else {})
+    if fmt != "gguf" and (requantize or embed_type or output_type or k_quants):
+        raise ValueError(f"--requantize, --embed-type, --output-type and --k-quants apply to --format gguf, not {fmt}")
     path = api.export(model_spec, fmt, out, overwrite=overwrite, dtype=dtype, **options)
     click.echo(f"wrote {fmt} export to {path}")
 

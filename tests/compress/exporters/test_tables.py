@@ -214,3 +214,46 @@ def test_onnx_int4_runs_the_head_through_matmul_nbits(small, tmp_path, case):
         ref = ours(ids).logits
     got = OnnxCausalLM(out)(ids).logits
     assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-3
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """wide(family) -> a 4-bit checkpoint of hidden 256 (whole Q6_K super-blocks) with an fp embedding and head."""
+    cache = {}
+
+    def make(family: str):
+        if family not in cache:
+            cache[family] = build(tmp_path_factory.mktemp("wide") / family, family, BODY, hidden=256)
+        return cache[family]
+
+    return make
+
+
+@pytest.mark.parametrize("family,head", [("llama", "output.weight"), ("gemma", "token_embd.weight")])
+def test_gguf_fp_head_of_a_quantized_model_defaults_to_q6_k(wide, tmp_path, family, head):
+    """As llama.cpp's Q4_K_M: ``output`` (a tied model's ``token_embd``) as Q6_K; an untied embedding keeps
+    --embed-type's default; the Q6_K values are within a step of the fp head, as llama.cpp's own rounding."""
+    from compress.checkpoint import load_quantized
+
+    src = wide(family)
+    tensors = _reader(export(str(src), "gguf", tmp_path / "m.gguf"))
+    assert tensors[head].tensor_type.name == "Q6_K"
+    if family == "llama":
+        assert tensors["token_embd.weight"].tensor_type.name == "F16" and "output.weight" in tensors
+    else:
+        assert "output.weight" not in tensors
+    w = load_quantized(src).get_output_embeddings().weight.detach().reshape(-1, 16, 16)  # [super-blocks, 16, 16]
+    got = torch.from_numpy(_deq(tensors[head]).copy()).reshape(w.shape)
+    step = w.abs().amax(-1, keepdim=True) / 32
+    top = step.amax(-2, keepdim=True)
+    assert bool(((got - w).abs() <= step + 17 * top / 128).all())
+
+
+@pytest.mark.parametrize("options,want", [
+    (dict(output_type="f16"), "F16"), (dict(embed_type="f32"), "F32"),  # --embed-type alone: the head follows it
+    ({}, "Q8_0"),  # width 64 is no whole super-block: Q6_K falls back to Q8_0 as in llama.cpp
+])
+def test_gguf_output_type_option(tabled, tmp_path, options, want):
+    src = tabled("llama", None, None)
+    tensors = _reader(export(str(src), "gguf", tmp_path / "m.gguf", options=GGUFOptions(**options)))
+    assert tensors["output.weight"].tensor_type.name == want
