@@ -194,8 +194,9 @@ def test_compressed_tensors_quantized_head_loads_in_transformers_with_our_logits
 
 
 @pytest.mark.parametrize("case", [UNTIED, TIED], ids=["untied", "tied"])
-def test_onnx_int4_runs_the_head_through_matmul_nbits(small, tmp_path, case):
-    """The untied head is one more MatMulNBits from our codes; the embedding is a dequantized Gather table."""
+def test_onnx_int4_runs_the_embedding_and_head_from_our_codes(small, tmp_path, case):
+    """The embedding is com.microsoft::GatherBlockQuantized on our codes; the head (untied, or tied at 4 bits)
+    MatMulNBits; ONNX Runtime's logits equal the checkpoint's."""
     onnx = pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
     from compress.checkpoint import load_quantized, quantized_modules
@@ -206,9 +207,12 @@ def test_onnx_int4_runs_the_head_through_matmul_nbits(small, tmp_path, case):
     graph = onnx.load(str(out / "model.onnx"), load_external_data=False)
     ours = load_quantized(src)
     nbits = [n for n in graph.graph.node if n.op_type == "MatMulNBits"]
-    assert len(nbits) == len(quantized_modules(ours)) == 14 + (case is UNTIED)
-    inits = {i.name for i in graph.graph.initializer}
-    assert ("model.lm_head.b" in inits) == ("model.lm_head.weight" not in inits) == (case is UNTIED)
+    assert len(nbits) == 15 and len(quantized_modules(ours)) == 14 + (case is UNTIED)  # a tied 4-bit head reads the
+    inits = {i.name for i in graph.graph.initializer}  # embedding's codes; no fp copy of either table is left
+    assert "model.lm_head.b" in inits and "model.lm_head.weight" not in inits
+    gathers = [n for n in graph.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert len(gathers) == 1 and gathers[0].domain == "com.microsoft"
+    assert not any(i.endswith("embed_tokens.weight") for i in inits)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = ours(ids).logits
@@ -257,3 +261,25 @@ def test_gguf_output_type_option(tabled, tmp_path, options, want):
     src = tabled("llama", None, None)
     tensors = _reader(export(str(src), "gguf", tmp_path / "m.gguf", options=GGUFOptions(**options)))
     assert tensors["output.weight"].tensor_type.name == want
+
+
+@pytest.mark.parametrize("scheme,block", [
+    (Scheme(4, 32, False), 32), (Scheme(8, 64, False), 64), (Scheme(8, -1, True), 64), (Scheme(4, 16, True), 16),
+    (Scheme(4, -1, False), None),  # one 4-bit block a row: zero points pack two blocks a byte
+    (Scheme(3, 32, False), None), (Scheme(4, 32, True, "nf4"), None), (Scheme(4, 24, False), None),
+])
+def test_gather_block_quantized_reference_equals_our_dequantized_rows(scheme, block):
+    """The module's eager path (GatherBlockQuantized's math) gives the checkpoint's rows, or the scheme is left to
+    the dequantized table."""
+    from compress.exporters.onnx_int4 import GatherQuantizedEmbedding, gather_block
+    from compress.quant import QuantizedWeight, compute_qparams, quantize
+
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    scale, zero = compute_qparams(w, scheme)
+    qw = QuantizedWeight(quantize(w, scale, zero, scheme), scale, zero, scheme)
+    assert gather_block(qw) == block
+    if block is None:
+        return
+    ids = torch.tensor([[0, 39, 7], [3, 3, 12]])
+    got = GatherQuantizedEmbedding(qw)(ids)
+    assert torch.equal(got, qw.dequantize()[ids])
