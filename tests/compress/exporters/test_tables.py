@@ -283,3 +283,25 @@ def test_gather_block_quantized_reference_equals_our_dequantized_rows(scheme, bl
     ids = torch.tensor([[0, 39, 7], [3, 3, 12]])
     got = GatherQuantizedEmbedding(qw)(ids)
     assert torch.equal(got, qw.dequantize()[ids])
+
+
+@pytest.mark.parametrize("family,embed,head", [("llama", Scheme(8, 32, True), Scheme(4, 32, True)),
+                                               ("qwen2", Scheme(4, 32, True), Scheme(8, 32, True))])
+def test_gguf_with_quantized_tables_reads_back_as_the_checkpoints_model(tabled, tmp_path, family, embed, head):
+    """Through compress's own GGUF reader (transformers' name maps; it has no Gemma, so no tied case here): the
+    logits of the checkpoint itself, every table being exact (Q8_0/Q4_0)."""
+    from transformers import AutoModelForCausalLM
+
+    from compress import gguf_dequant
+    from compress.checkpoint import load_quantized
+
+    src = tabled(family, embed, head)
+    path = export(str(src), "gguf", tmp_path / "m.gguf", options=GGUFOptions(embed_type="f32"))
+    out = tmp_path / "fp"
+    out.mkdir()
+    gguf_dequant.dequantize_gguf(path.parent, path.name, out)
+    ids = torch.arange(1, 13)[None]
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+        want = load_quantized(src)(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
