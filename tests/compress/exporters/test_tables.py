@@ -305,3 +305,11 @@ def test_gguf_with_quantized_tables_reads_back_as_the_checkpoints_model(tabled, 
         got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
         want = load_quantized(src)(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_head_the_format_cannot_carry_is_refused_naming_the_flag(tabled, tmp_path):
+    """AWQ packs 8 outputs a word: a 300-row head is refused before any work, naming --head none."""
+    src = tabled("llama", None, Scheme(4, 32, True))
+    with pytest.raises(ValueError, match="awq cannot carry lm_head") as e:
+        export(str(src), "awq", tmp_path / "a")
+    assert "--head none" in str(e.value) and not (tmp_path / "a").exists()
