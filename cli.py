@@ -43,6 +43,9 @@ def main(verbose: bool):
 @click.option("--bits", type=int, default=None)
 @click.option("--group-size", type=int, default=None, help="Inputs per scale; -1 for per channel.")
 @click.option("--sym/--asym", default=None, help="Symmetric (no zero points) or asymmetric grid.")
+@click.option("--zero-floor", type=click.Choice(["0", "1"]), default=None,
+              help="Asymmetric: 1 keeps every zero point >= 1, so `export --format gptq` writes v1 (read by every GPTQ "
+              "loader) rather than gptq_v2; a group whose zero would be 0 gives up one step of its grid.")
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ: quantize columns by Hessian diagonal.")
 @click.option("--seed", type=int, default=None)
 @click.option("--kv-heads", type=int, default=None, help="Pool the KV heads down to N (GQA/MQA) before quantizing.")
@@ -66,9 +69,9 @@ def main(verbose: bool):
 @click.option("--max-memory", default=None, help="Refuse up front when the memory estimate exceeds this, e.g. 8GB.")
 @click.option("--offload-activations/--no-offload-activations", default=None,
               help="Keep the calibration activations on disk [default: only when they would not fit in memory].")
-def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size, sym, act_order, seed, kv_heads,
-             kv_init, kv_fit_steps, uptrain_steps, steps, lr, qat_init, rotate, overwrite, trust_remote_code, allow_pickle,
-             json_path, stream, max_memory, offload_activations):
+def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size, sym, zero_floor, act_order, seed,
+             kv_heads, kv_init, kv_fit_steps, uptrain_steps, steps, lr, qat_init, rotate, overwrite, trust_remote_code,
+             allow_pickle, json_path, stream, max_memory, offload_activations):
     """Quantize MODEL with a recipe into a packed checkpoint folder."""
     import signal
     from pathlib import Path
@@ -85,7 +88,9 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
     overrides = {k: v for k, v in dict(calib=calib, nsamples=nsamples, seqlen=seqlen, bits=bits, group_size=group_size,
                                        sym=sym, act_order=act_order, seed=seed, kv_heads=kv_heads, kv_init=kv_init,
                                        kv_fit_steps=kv_fit_steps, uptrain_steps=uptrain_steps, steps=steps, lr=lr,
-                                       init=qat_init, rotate=rotate).items() if v is not None}
+                                       init=qat_init, rotate=rotate,
+                                       zero_floor=None if zero_floor is None else int(zero_floor)).items()
+                 if v is not None}
     cfg = load_recipe(recipe).replace(**overrides)  # validated here, so a bad flag fails before the model loads
     src = resolve(model_spec)
     out = out or str(Path("out") / f"{src.name}-{Path(recipe).stem}")

@@ -154,7 +154,8 @@ def read_quantization_config(path: str | Path) -> dict:
 
 
 def scheme_of(entry: dict) -> Scheme:
-    return Scheme(bits=entry["bits"], group_size=entry["group_size"], sym=entry["sym"], format=entry["format"])
+    return Scheme(bits=entry["bits"], group_size=entry["group_size"], sym=entry["sym"], format=entry["format"],
+                  zero_floor=entry.get("zero_floor", 0))
 
 
 def swap_in_quant_linears(model: nn.Module, modules: dict[str, dict], dtype: torch.dtype) -> None:

@@ -124,3 +124,26 @@ def test_zero_point_zero_is_written_as_v2_with_exact_zeros(tmp_path):
         got = reference_dequantize(tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"], tensors[f"{name}.scales"],
                                    tensors[f"{name}.g_idx"], 4, offset=0)
         assert torch.equal(got, m.dequantized_weight(torch.float32)), name
+
+
+@pytest.mark.parametrize("zero_floor,fmt", [(0, "gptq_v2"), (1, "gptq")])
+def test_zero_floor_one_keeps_a_checkpoint_in_v1(tmp_path, zero_floor, fmt):
+    """Non-negative groups get zero 0 by min/max rounding (v2); quantized with zero_floor 1 the same model is v1,
+    and the floor travels in the checkpoint's scheme."""
+    from compress.quant import Scheme
+    from .models import quantize_model, save, tiny_model
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[:, :32].abs_()
+    scheme = Scheme(4, 32, zero_floor=zero_floor)
+    save(quantize_model(model, scheme), tmp_path / "q", scheme)
+    out = export(str(tmp_path / "q"), "gptq", tmp_path / "g")
+    assert json.loads((out / "quantize_config.json").read_text())["checkpoint_format"] == fmt
+    layers = quantized_modules(load_quantized(tmp_path / "q"))
+    assert all(m.scheme.zero_floor == zero_floor for m in layers.values())
+    tensors = load_file(str(out / "model.safetensors"))
+    name, m = "model.layers.0.mlp.up_proj", layers["model.layers.0.mlp.up_proj"]
+    got = reference_dequantize(tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"], tensors[f"{name}.scales"],
+                               tensors[f"{name}.g_idx"], 4, offset=1 if fmt == "gptq" else 0)
+    assert torch.equal(got, m.dequantized_weight(torch.float32))
