@@ -66,4 +66,4 @@ def write(source: Source, folder: Path, dtype: torch.dtype) -> None:
     for name, m in source.qmodules.items():
         tensors.update(layer_tensors(name, m))
     save_safetensors(tensors, folder / "model.safetensors")
-    write_side_files(folder, source, export_config(source.model, dtype, qc))
+    write_side_files(folder, source, export_config(source.model, dtype, qc, source.tables))

@@ -161,12 +161,15 @@ def fp_tensors(model: nn.Module, dtype: torch.dtype, tables: Tables | None = Non
     return out
 
 
-def export_config(model: nn.Module, dtype: torch.dtype, quantization_config: dict | None) -> dict:
-    """The model's config.json with the target dtype and the target format's quantization_config."""
+def export_config(model: nn.Module, dtype: torch.dtype, quantization_config: dict | None,
+                  tables: Tables | None = None) -> dict:
+    """The model's config.json with the target dtype and the target format's quantization_config (a head tied to
+    a quantized embedding stays tied, whatever module the loader gave it)."""
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")
-    if not tied_lm_head(model) and getattr(model.config, "tie_word_embeddings", False):
+    tied = tied_lm_head(model) or (tables is not None and tables.head is not None and tables.head.tied)
+    if not tied and getattr(model.config, "tie_word_embeddings", False):
         cfg["tie_word_embeddings"] = False  # lm_head is stored on its own (quantized or untied)
     if quantization_config is not None:
         cfg["quantization_config"] = quantization_config

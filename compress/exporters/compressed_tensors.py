@@ -94,4 +94,5 @@ def write(source: Source, folder: Path, dtype: torch.dtype) -> None:
     for name, m in source.qmodules.items():
         tensors.update(layer_tensors(name, m, dtype))
     save_safetensors(tensors, folder / "model.safetensors")
-    write_side_files(folder, source, export_config(source.model, dtype, quantization_config(source.model, source.qmodules)))
+    qc = quantization_config(source.model, source.qmodules)
+    write_side_files(folder, source, export_config(source.model, dtype, qc, source.tables))

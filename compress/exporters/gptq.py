@@ -98,5 +98,5 @@ def write(source: Source, folder: Path, dtype: torch.dtype) -> None:
     for name, m in source.qmodules.items():
         tensors.update(layer_tensors(name, m, qc["checkpoint_format"]))
     save_safetensors(tensors, folder / "model.safetensors")
-    write_side_files(folder, source, export_config(source.model, dtype, qc))
+    write_side_files(folder, source, export_config(source.model, dtype, qc, source.tables))
     (folder / "quantize_config.json").write_text(json.dumps(qc, indent=2, sort_keys=True))
