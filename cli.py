@@ -79,6 +79,9 @@ def main(verbose: bool):
 @click.option("--bits", type=int, default=None)
 @click.option("--group-size", type=int, default=None, help="Inputs per scale; -1 for per channel.")
 @click.option("--sym/--asym", default=None, help="Symmetric (no zero points) or asymmetric grid.")
+@click.option("--zero-floor", type=click.Choice(["0", "1"]), default=None,
+              help="Asymmetric: 1 keeps every zero point >= 1, so `export --format gptq` writes v1 (read by every GPTQ "
+              "loader) rather than gptq_v2; a group whose zero would be 0 gives up one step of its grid.")
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ: quantize columns by Hessian diagonal.")
 @click.option("--seed", type=int, default=None)
 @click.option("--kv-heads", type=int, default=None, help="Pool the KV heads down to N (GQA/MQA) before quantizing.")
@@ -102,9 +105,9 @@ def main(verbose: bool):
 @click.option("--max-memory", default=None, help="Refuse up front when the memory estimate exceeds this, e.g. 8GB.")
 @click.option("--offload-activations/--no-offload-activations", default=None,
               help="Keep the calibration activations on disk [default: only when they would not fit in memory].")
-def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size, sym, act_order, seed, kv_heads,
-             kv_init, kv_fit_steps, uptrain_steps, steps, lr, qat_init, rotate, overwrite, trust_remote_code, allow_pickle,
-             json_path, stream, max_memory, offload_activations):
+def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size, sym, zero_floor, act_order, seed,
+             kv_heads, kv_init, kv_fit_steps, uptrain_steps, steps, lr, qat_init, rotate, overwrite, trust_remote_code,
+             allow_pickle, json_path, stream, max_memory, offload_activations):
     """Quantize MODEL with a recipe into a packed checkpoint folder."""
     import signal
     from pathlib import Path
@@ -121,7 +124,9 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
     overrides = {k: v for k, v in dict(calib=calib, nsamples=nsamples, seqlen=seqlen, bits=bits, group_size=group_size,
                                        sym=sym, act_order=act_order, seed=seed, kv_heads=kv_heads, kv_init=kv_init,
                                        kv_fit_steps=kv_fit_steps, uptrain_steps=uptrain_steps, steps=steps, lr=lr,
-                                       init=qat_init, rotate=rotate).items() if v is not None}
+                                       init=qat_init, rotate=rotate,
+                                       zero_floor=None if zero_floor is None else int(zero_floor)).items()
+                 if v is not None}
     cfg = load_recipe(recipe).replace(**overrides)  # validated here, so a bad flag fails before the model loads
     src = resolve(model_spec)
     out = out or str(Path("out") / f"{src.name}-{Path(recipe).stem}")
@@ -286,17 +291,20 @@ def report_cmd(model_spec, out, recipes, variants, exports, ppl, seqlen, max_win
               "float16 for gguf]; float16 only where a float16 forward of a few tokens stays finite.")
 @click.option("--requantize", default=None, help="gguf: round layers whose integers do not map (group size, "
               "act-order, 3-bit, nf4) again by llama.cpp's rules into q4_0, q4_1 or q8_0 (not lossless).")
-@click.option("--embed-type", default=None, help="gguf: f16, bf16, f32 or q8_0 for the unquantized matrices "
+@click.option("--embed-type", default=None, help="gguf: f16, bf16, f32, q8_0 or q6_k for the unquantized matrices "
               "(embeddings, an fp lm_head) [default: from --dtype].")
+@click.option("--output-type", default=None, help="gguf: the same choice for an unquantized head (output, or a tied "
+              "token_embd) [default: q6_k for a quantized model, as llama.cpp's Q4_K_M, else --embed-type].")
 @click.option("--k-quants", is_flag=True, help="gguf: 4-bit layers whose width divides by 256 as Q4_K (our codes, "
               "scales rounded to 6 bits: smaller than Q4_1, not lossless); the others stay Q4_0/Q4_1.")
-def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type, k_quants):
+def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type, output_type, k_quants):
     """Export a quantized folder (or, for --format onnx/gguf, any model) to another runtime's format."""
     from compress import api
 
-    options = dict(requantize=requantize, embed_type=embed_type, k_quants=k_quants) if fmt == "gguf" else {}
-    if fmt != "gguf" and (requantize or embed_type or k_quants):
-        raise ValueError(f"--requantize, --embed-type and --k-quants apply to --format gguf, not {fmt}")
+    options = (dict(requantize=requantize, embed_type=embed_type, output_type=output_type, k_quants=k_quants)
+               if fmt == "gguf" else {})
+    if fmt != "gguf" and (requantize or embed_type or output_type or k_quants):
+        raise ValueError(f"--requantize, --embed-type, --output-type and --k-quants apply to --format gguf, not {fmt}")
     path = api.export(model_spec, fmt, out, overwrite=overwrite, dtype=dtype, **options)
     click.echo(f"wrote {fmt} export to {path}")
 

@@ -54,7 +54,7 @@ def evaluate(model: str, baseline: str | None = None, ppl: Iterable[str] = ("wik
 def export(model: str, format: str, out: str | Path, *, overwrite: bool = False, dtype: str | None = None,
            **options) -> Path:
     """Export ``model`` as ``format`` (compressed-tensors, gptq, awq, onnx, onnx-int4, gguf) to ``out``; GGUF
-    takes ``requantize``, ``embed_type`` and ``k_quants`` (compress/exporters/gguf.py GGUFOptions)."""
+    takes ``requantize``, ``embed_type``, ``output_type`` and ``k_quants`` (compress/exporters/gguf.py GGUFOptions)."""
     from compress.exporters.dispatch import export as run
 
     opts = None

@@ -154,7 +154,8 @@ def read_quantization_config(path: str | Path) -> dict:
 
 
 def scheme_of(entry: dict) -> Scheme:
-    return Scheme(bits=entry["bits"], group_size=entry["group_size"], sym=entry["sym"], format=entry["format"])
+    return Scheme(bits=entry["bits"], group_size=entry["group_size"], sym=entry["sym"], format=entry["format"],
+                  zero_floor=entry.get("zero_floor", 0))
 
 
 def swap_in_quant_linears(model: nn.Module, modules: dict[str, dict], dtype: torch.dtype) -> None:
@@ -176,6 +177,16 @@ def swap_in_packed_experts(model: nn.Module, entries: dict[str, dict]) -> None:
         set_module(model, name, packed)
 
 
+def dequantize_embedding(state: dict[str, torch.Tensor], entry: dict, hidden: int) -> None:
+    """Replace a quantized embedding's ``E.qweight``/``scales``/``qzeros`` in ``state`` by its dequantized ``E.weight``
+    (fp32), so a model of plain nn.Embedding loads it; exporters read the codes themselves (exporters/common.py)."""
+    from compress.quant import dequantize, unpack
+
+    name, scheme = entry["name"], scheme_of(entry)
+    q = unpack(state.pop(f"{name}.qweight"), scheme.bits, hidden)  # [vocab, words] -> [vocab, hidden]
+    state[f"{name}.weight"] = dequantize(q, state.pop(f"{name}.scales"), state.pop(f"{name}.qzeros", None), scheme)
+
+
 def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
     """Load a folder written by :func:`save_quantized` into QuantLinear modules (no fp weights)."""
     from safetensors.torch import load_file
@@ -195,6 +206,8 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_r
     state = {}
     for f in shard_files(path):  # model.safetensors, or the shards a streamed run writes
         state.update(load_file(str(f)))
+    if qc.get("embed"):
+        dequantize_embedding(state, qc["embed"], config.hidden_size)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:

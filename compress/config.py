@@ -127,6 +127,7 @@ class QuantizeConfig:
     bits: int = 4
     group_size: int = 128
     sym: bool = False
+    zero_floor: int = 0  # 1: asymmetric zero points >= 1, so `export --format gptq` writes v1 (compress/quant.py)
     description: str = ""
     # calibration
     calib: str = "wiki"
@@ -220,7 +221,8 @@ class QuantizeConfig:
     @property
     def scheme(self) -> Scheme:
         fmt = "nf4" if self.method == "nf4" else "int"
-        return Scheme(bits=self.bits, group_size=self.group_size, sym=self.sym or fmt == "nf4", format=fmt)
+        return Scheme(bits=self.bits, group_size=self.group_size, sym=self.sym or fmt == "nf4", format=fmt,
+                      zero_floor=self.zero_floor)
 
     @property
     def gptq_rounding(self) -> bool:

@@ -6,7 +6,7 @@ below them the adapter that hooks a decoder block's linears to accumulate their 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -37,7 +37,7 @@ def _group_params(scheme: Scheme, g: int, mse: bool, weighted_range: bool) -> Gr
     weighted range whose two ends move independently."""
     def params(w: Tensor, hdiag: Tensor) -> tuple[Tensor, Tensor | None]:
         if weighted_range:  # w: [out, k <= g] is one group
-            scale, zero = weighted_range_params(w, Scheme(scheme.bits, g, scheme.sym), hdiag)
+            scale, zero = weighted_range_params(w, replace(scheme, group_size=g), hdiag)
             return scale[:, 0], None if zero is None else zero[:, 0]
         return mse_params(w, scheme, hdiag) if mse else find_params(w, scheme)
     return params
@@ -50,7 +50,7 @@ def _static_params(W: Tensor, hdiag: Tensor, scheme: Scheme, g: int, mse: bool, 
     of one matrix (each with its own slice of ``hdiag``), ``chunk`` elements a call, and a ragged last group
     goes alone."""
     if weighted_range:
-        scale, zero = weighted_range_params(W, Scheme(scheme.bits, g, scheme.sym), hdiag)
+        scale, zero = weighted_range_params(W, replace(scheme, group_size=g), hdiag)
         return [(scale[:, j], None if zero is None else zero[:, j]) for j in range(scale.shape[1])]
 
     def params(w: Tensor, c: Tensor) -> tuple[Tensor, Tensor | None]:

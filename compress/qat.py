@@ -119,7 +119,7 @@ class FakeQuantLinear(nn.Module):
         if self.zero is None:
             return s, float(self.scheme.sym_zero)
         z = self.zero
-        return s, z + (torch.round(z).clamp(0, self.scheme.maxq) - z).detach()
+        return s, z + (torch.round(z).clamp(self.scheme.zero_floor, self.scheme.maxq) - z).detach()
 
     def fake_weight(self) -> Tensor:
         """``[out, in]`` quantize-dequantize of the latent weight, differentiable by STE (LSQ)."""
@@ -145,7 +145,7 @@ class FakeQuantLinear(nn.Module):
         scale = self.log_scale.exp().clamp(min=MIN_SCALE).half()
         zero = None
         if self.zero is not None:
-            zero = torch.round(self.zero).clamp(0, self.scheme.maxq).to(torch.uint8)
+            zero = torch.round(self.zero).clamp(self.scheme.zero_floor, self.scheme.maxq).to(torch.uint8)
         return QuantizedWeight(quant.quantize(self.weight, scale, zero, self.scheme), scale, zero, self.scheme)
 
     def freeze(self) -> QuantLinear:

@@ -7,7 +7,9 @@ Conventions (every exporter and kernel relies on these):
 - Codes ``q`` are unsigned integers in ``[0, 2**bits - 1]``; ``w ~= (q - zero) * scale``.
   Symmetric schemes store no zeros: their zero is ``2**(bits-1)`` and their scale
   ``absmax / (2**(bits-1) - 1)``, so every weight is within half a step.
-  Asymmetric schemes store integer zeros in ``[0, 2**bits - 1]``.
+  Asymmetric schemes store integer zeros in ``[zero_floor, 2**bits - 1]`` (``zero_floor`` 0, or 1 so that
+  GPTQ v1's ``zero - 1`` never wraps: a group whose zero would round to 0 then takes zero 1 and the scale
+  ``hi / (maxq - 1)``, one step of its range given up).
 - ``nf4`` uses the NormalFloat4 codebook: ``w ~= NF4[q] * scale`` with ``scale`` the group absmax.
 - Scales are float16 (what GPTQ/AWQ/ONNX Runtime consume), and codes are always computed from
   the float16-rounded scale, so exporting never re-rounds anything.
@@ -18,7 +20,7 @@ Conventions (every exporter and kernel relies on these):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -43,6 +45,7 @@ class Scheme:
     group_size: int = 128  # -1: per output channel
     sym: bool = False
     format: str = "int"
+    zero_floor: int = 0  # asymmetric: the smallest zero point stored (1: every zero fits GPTQ v1)
 
     def __post_init__(self):
         if self.bits not in BITS:
@@ -53,6 +56,8 @@ class Scheme:
             raise ValueError(f"format={self.format!r} is unknown; use one of {FORMATS}")
         if self.format == "nf4" and self.bits != 4:
             raise ValueError(f"nf4 is a 4-bit format, got bits={self.bits}")
+        if self.zero_floor not in (0, 1) or (self.zero_floor and not self.has_zeros):
+            raise ValueError(f"zero_floor={self.zero_floor} must be 0, or 1 for an asymmetric int scheme")
 
     @property
     def maxq(self) -> int:
@@ -74,7 +79,8 @@ class Scheme:
         return math.ceil(in_features / self.group(in_features))
 
     def to_dict(self) -> dict:
-        return {"bits": self.bits, "group_size": self.group_size, "sym": self.sym, "format": self.format}
+        out = {"bits": self.bits, "group_size": self.group_size, "sym": self.sym, "format": self.format}
+        return {**out, "zero_floor": self.zero_floor} if self.zero_floor else out
 
 
 def nf4_codebook(device=None) -> Tensor:
@@ -86,6 +92,16 @@ def fp16_ceil(s: Tensor) -> Tensor:
     ``maxq`` steps after rounding (rounding down would clip the top code by up to maxq * 2**-11 steps)."""
     h = s.half()
     return torch.where(h.float() < s, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+
+
+def _floor_zeros(hi: Tensor, scale: Tensor, zero: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor]:
+    """Groups whose zero rounds below ``zero_floor`` (their min is above -scale/2) take zero ``zero_floor`` and the
+    scale ``hi / (maxq - zero_floor)``, which still covers their range: one step of the grid goes below it."""
+    if not scheme.zero_floor:
+        return scale, zero
+    low = zero < scheme.zero_floor
+    lifted = fp16_ceil((hi / (scheme.maxq - scheme.zero_floor)).clamp(min=MIN_SCALE)).to(scale.dtype)
+    return torch.where(low, lifted, scale), zero.clamp(min=scheme.zero_floor)
 
 
 def find_params(w: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor | None]:
@@ -100,8 +116,9 @@ def find_params(w: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor | None]:
     lo = w.amin(dim=1).clamp(max=0)
     hi = w.amax(dim=1).clamp(min=0)
     scale = fp16_ceil(((hi - lo) / scheme.maxq).clamp(min=MIN_SCALE))
-    zero = torch.round(-lo / scale.float()).clamp(0, scheme.maxq).to(torch.uint8)
-    return scale, zero
+    zero = torch.round(-lo / scale.float()).clamp(0, scheme.maxq)
+    scale, zero = _floor_zeros(hi, scale, zero, scheme)
+    return scale, zero.to(torch.uint8)
 
 
 def mse_params(w: Tensor, scheme: Scheme, col_weight: Tensor | None = None, grid: int = 100,
@@ -115,7 +132,7 @@ def mse_params(w: Tensor, scheme: Scheme, col_weight: Tensor | None = None, grid
         raise ValueError(f"mse_params needs format 'int', got {scheme.format!r}")
     w = w.float()
     c = torch.ones(w.shape[1]) if col_weight is None else col_weight.float().clamp(min=0)
-    row = Scheme(scheme.bits, -1, scheme.sym)  # each row of w is one group
+    row = replace(scheme, group_size=-1)  # each row of w is one group
     best_s, best_z = find_params(w, scheme)
     best_err = None
     for k in range(int(grid * max_shrink) + 1):
@@ -148,7 +165,7 @@ def _range_qparams(lo: Tensor, hi: Tensor, scheme: Scheme) -> tuple[Tensor, Tens
         scale = fp16_ceil((torch.maximum(-lo, hi) / (scheme.sym_zero - 1)).clamp(min=MIN_SCALE)).float()
         return scale, torch.full_like(scale, float(scheme.sym_zero))
     scale = fp16_ceil(((hi - lo) / scheme.maxq).clamp(min=MIN_SCALE)).float()
-    return scale, torch.round(-lo / scale).clamp(0, scheme.maxq)
+    return _floor_zeros(hi, scale, torch.round(-lo / scale).clamp(0, scheme.maxq), scheme)
 
 
 def weighted_range_params(w: Tensor, scheme: Scheme, energy: Tensor, grid: int = 20,
@@ -268,7 +285,7 @@ def fake_quantize_groups(wg: Tensor, scheme: Scheme) -> Tensor:
         lo = wg.amin(-1, keepdim=True).clamp_(max=0)
         hi = wg.amax(-1, keepdim=True).clamp_(min=0)
         s = fp16_ceil(((hi - lo) / scheme.maxq).clamp_(min=MIN_SCALE)).float()
-        z = torch.round(-lo / s).clamp_(0, scheme.maxq)
+        s, z = _floor_zeros(hi, s, torch.round(-lo / s).clamp_(0, scheme.maxq), scheme)
     q = (wg / s).round_().add_(z).clamp_(0, scheme.maxq)
     return q.sub_(z).mul_(s)
 

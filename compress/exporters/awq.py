@@ -8,6 +8,7 @@ Per quantized linear ``P`` (AutoAWQ ``WQLinear_GEMM.from_linear``):
 Dequantization: ``w[i, o] = (q[i, o] - z[i // group_size, o]) * scales[i // group_size, o]``.
 AWQ kernels always subtract a zero, so symmetric schemes store their implicit ``2**(bits-1)``.
 No g_idx (act-order cannot be carried) and no ragged groups (``in % group_size == 0`` is asserted).
+A quantized untied LM head is one more layer (``lm_head: true``); a quantized embedding is written dequantized.
 """
 from __future__ import annotations
 
@@ -52,14 +53,17 @@ def quantization_config(model, qmodules: dict[str, QuantLinear]) -> dict:
     if len(sizes) > 1:
         raise ValueError(f"AWQ's config has one group_size and this model mixes {sizes}; "
                          "use --format gptq or compressed-tensors, which carry per-layer schemes")
-    return {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": sizes[0], "zero_point": True,
-            "modules_to_not_convert": fp_linear_names(model) or None}
+    cfg = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": sizes[0], "zero_point": True,
+           "modules_to_not_convert": fp_linear_names(model) or None}
+    if isinstance(model.get_output_embeddings(), QuantLinear):
+        cfg["lm_head"] = True  # vLLM's AWQ configs read it (lm_head_quantized); AutoAWQ never quantizes the head
+    return cfg
 
 
 def write(source: Source, folder: Path, dtype: torch.dtype) -> None:
     qc = quantization_config(source.model, source.qmodules)
-    tensors = fp_tensors(source.model, dtype)
+    tensors = fp_tensors(source.model, dtype, source.tables)
     for name, m in source.qmodules.items():
         tensors.update(layer_tensors(name, m))
     save_safetensors(tensors, folder / "model.safetensors")
-    write_side_files(folder, source, export_config(source.model, dtype, qc))
+    write_side_files(folder, source, export_config(source.model, dtype, qc, source.tables))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 from compress.checkpoint import quantized_modules
 from compress.families import require
 from compress.qlinear import QuantLinear
+from compress.quant import QuantizedWeight, unpack
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,79 @@ class Source:
     def model_type(self) -> str:
         return self.model.config.model_type
 
+    @cached_property
+    def tables(self) -> Tables:
+        """The checkpoint's quantized embedding and LM head, read once (none for a floating-point source)."""
+        return read_tables(self.path, self.model.config.hidden_size)
+
+
+@dataclass(frozen=True)
+class QuantizedTable:
+    """A quantized embedding or LM head as the checkpoint stores it: ``name``'s QuantLinear-layout tensors as
+    codes (``weight.q``: [rows, hidden]); ``tied``: a head that reads the embedding's tensors."""
+
+    name: str
+    weight: QuantizedWeight
+    tied: bool = False
+
+
+@dataclass(frozen=True)
+class Tables:
+    """``quantization_config["embed"]`` and ``["head"]`` (absent or null: that table is not quantized). An untied
+    quantized head is also listed in ``modules`` (a QuantLinear in the loaded model); a tied one stores no tensors."""
+
+    embed: QuantizedTable | None = None
+    head: QuantizedTable | None = None
+
+    @property
+    def owners(self) -> set[str]:
+        """Module names whose state-dict entries the quantized tables replace."""
+        return {t.name for t in (self.embed, self.head) if t is not None}
+
+    def flags(self) -> str:
+        """The quantize flags that keep these tables full width, for refusals."""
+        return " ".join(f"--{k} none" for k, t in (("embed", self.embed), ("head", self.head)) if t is not None)
+
+
+def read_tables(path: Path | None, hidden: int) -> Tables:
+    """The one reader of the checkpoint's ``embed``/``head`` entries and their tensors (every exporter uses it)."""
+    cfg = path / "config.json" if path is not None else None
+    if cfg is None or not cfg.is_file():
+        return Tables()
+    qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+    embed_entry, head_entry = qc.get("embed"), qc.get("head")
+    if qc.get("quant_method") != "compress" or not (embed_entry or head_entry):
+        return Tables()
+    embed = _read_table(path, embed_entry, hidden) if embed_entry else None
+    head = None
+    if head_entry and head_entry.get("tied"):
+        if embed is None:
+            raise ValueError(f"{path}: quantization_config['head'] is tied but no quantized embedding is recorded")
+        head = QuantizedTable(head_entry["name"], embed.weight, tied=True)
+    elif head_entry:
+        head = _read_table(path, head_entry, hidden)
+    return Tables(embed, head)
+
+
+def _read_table(path: Path, entry: dict, hidden: int) -> QuantizedTable:
+    from safetensors import safe_open
+
+    from compress.checkpoint import scheme_of
+    from compress.shards import shard_files
+
+    name, scheme = entry["name"], scheme_of(entry)
+    keys = {f"{name}.{k}" for k in ("qweight", "scales", "qzeros")}
+    found: dict[str, torch.Tensor] = {}
+    for f in shard_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            found.update({k: st.get_tensor(k) for k in keys & set(st.keys())})
+    missing = {f"{name}.qweight", f"{name}.scales"} - set(found)
+    if missing or scheme.has_zeros != (f"{name}.qzeros" in found):
+        raise ValueError(f"{path}: the quantized {name} recorded in quantization_config lacks tensors "
+                         f"{sorted(missing) or [f'{name}.qzeros']}")
+    q = unpack(found[f"{name}.qweight"], scheme.bits, hidden)  # [rows, words] -> codes [rows, hidden]
+    return QuantizedTable(name, QuantizedWeight(q, found[f"{name}.scales"], found.get(f"{name}.qzeros"), scheme))
+
 
 def load_source(spec: str) -> Source:
     """Load a compress quantized folder, a plain HF folder or an embedded model name, in float32."""
@@ -57,32 +132,44 @@ def tied_lm_head(model: nn.Module) -> bool:
             and head.weight is emb.weight)
 
 
-def fp_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
+def fp_tensors(model: nn.Module, dtype: torch.dtype, tables: Tables | None = None,
+               dequantize_embed: bool = True) -> dict[str, Tensor]:
     """Every tensor of the state dict that is not a QuantLinear's integers/scales, floats cast to ``dtype``.
 
-    QuantLinear biases are kept (``P.bias``); a tied lm_head is left out, as save_pretrained does.
+    QuantLinear biases are kept (``P.bias``); a tied lm_head is left out, as save_pretrained does. A quantized
+    embedding (``tables``) is left out too, or, with ``dequantize_embed``, written as ``E.weight`` dequantized
+    to ``dtype`` (for formats that cannot carry its codes: the checkpoint's values, not its size).
     """
+    tables = tables or Tables()
     qnames = set(quantized_modules(model))
-    skip_head = tied_lm_head(model)
+    skip_head = tied_lm_head(model) or (tables.head is not None and tables.head.tied)
     head_name = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
+    embed_name = tables.embed.name if tables.embed is not None else None
     out = {}
     for key, t in model.state_dict().items():
         owner, _, leaf = key.rpartition(".")
         if owner in qnames and leaf != "bias":
             continue
-        if skip_head and owner == head_name:
+        if (skip_head and owner == head_name) or owner == embed_name:
             continue
         t = t.detach()
         out[key] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
+    if tables.embed is not None and dequantize_embed:
+        log.info("%s is quantized in the checkpoint and this format cannot carry its codes: written dequantized "
+                 "as %s (the checkpoint's values, at full width)", embed_name, str(dtype).removeprefix("torch."))
+        out[f"{embed_name}.weight"] = tables.embed.weight.dequantize(dtype).contiguous()
     return out
 
 
-def export_config(model: nn.Module, dtype: torch.dtype, quantization_config: dict | None) -> dict:
-    """The model's config.json with the target dtype and the target format's quantization_config."""
+def export_config(model: nn.Module, dtype: torch.dtype, quantization_config: dict | None,
+                  tables: Tables | None = None) -> dict:
+    """The model's config.json with the target dtype and the target format's quantization_config (a head tied to
+    a quantized embedding stays tied, whatever module the loader gave it)."""
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")
-    if not tied_lm_head(model) and getattr(model.config, "tie_word_embeddings", False):
+    tied = tied_lm_head(model) or (tables is not None and tables.head is not None and tables.head.tied)
+    if not tied and getattr(model.config, "tie_word_embeddings", False):
         cfg["tie_word_embeddings"] = False  # lm_head is stored on its own (quantized or untied)
     if quantization_config is not None:
         cfg["quantization_config"] = quantization_config

@@ -10,6 +10,13 @@ Per quantized linear ``P`` (conventions of compressed_tensors.compressors.pack_q
 - ``P.weight_shape``  int64 [2] = (out, in).
 Dequantization there: ``(q_signed - zp_signed) * scale == (q - z) * scale``.
 
+A quantized untied LM head is one more quantized layer, named in its config group's targets: vLLM loads it since
+vllm-project/vllm#37291 (compressed-tensors' ``get_quant_method`` handles ParallelLMHead; older vLLM loads it
+unquantized and fails), transformers through the library. A quantized embedding has no compressed-tensors form
+(vLLM's embedding takes no quantization scheme), so it is written dequantized to the export dtype, logged: the
+checkpoint's values at full width, which is what vLLM can load (``--embed none`` at quantize time gives the
+original embedding instead).
+
 Not carried (see :func:`check`): act-order group maps (compressed-tensors removed ``actorder: group``),
 ragged groups (its group code requires ``in % group_size == 0``), NF4 (not an int grid), and 3 bits
 (its 3-bit packing changed between library versions and vLLM has no 3-bit kernel).
@@ -55,10 +62,13 @@ def quantization_config(model, qmodules: dict[str, QuantLinear]) -> dict:
     schemes: dict[Scheme, list[str]] = {}
     for name, m in qmodules.items():
         schemes.setdefault(m.scheme, []).append(name)
+    head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
     groups = {}
     for i, (scheme, names) in enumerate(schemes.items()):
-        # one scheme: every Linear not ignored; several: exact names, so nothing is matched twice
-        targets = ["Linear"] if len(schemes) == 1 else [f"re:^{re.escape(n)}$" for n in names]
+        # one scheme: every Linear not ignored, and a quantized head by name (vLLM's ParallelLMHead is no Linear);
+        # several: exact names, so nothing is matched twice
+        targets = ["Linear"] + [f"re:^{re.escape(n)}$" for n in names if n == head] if len(schemes) == 1 else \
+            [f"re:^{re.escape(n)}$" for n in names]
         groups[f"group_{i}"] = {"targets": targets, "weights": weights_args(scheme), "input_activations": None,
                                 "output_activations": None, "format": FORMAT}
     return {"quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
@@ -80,8 +90,9 @@ def layer_tensors(name: str, m: QuantLinear, dtype: torch.dtype) -> dict[str, to
 
 
 def write(source: Source, folder: Path, dtype: torch.dtype) -> None:
-    tensors = fp_tensors(source.model, dtype)
+    tensors = fp_tensors(source.model, dtype, source.tables)
     for name, m in source.qmodules.items():
         tensors.update(layer_tensors(name, m, dtype))
     save_safetensors(tensors, folder / "model.safetensors")
-    write_side_files(folder, source, export_config(source.model, dtype, quantization_config(source.model, source.qmodules)))
+    qc = quantization_config(source.model, source.qmodules)
+    write_side_files(folder, source, export_config(source.model, dtype, qc, source.tables))

@@ -42,6 +42,9 @@ class ExportFormat:
     family_step: str | None = None  # the step of compress/families.py that must handle the model type
     experts: bool = False  # carries packed MoE experts
     fp16_probe: bool = True  # float16 only after a float16 forward of the model stays finite
+    # a quantized embedding/head (exporters/common.py Tables): "codes" writes both from their own codes (never
+    # refused); "layers" carries an untied head as any quantized linear and writes the embedding dequantized
+    tables: str = "layers"
 
     def exporter(self) -> ModuleType:
         return importlib.import_module(f"compress.exporters.{self.module}")
@@ -64,7 +67,7 @@ FORMATS: dict[str, ExportFormat] = {
     "onnx-int4": ExportFormat("onnx_int4", True, "float32", **_ONNX),
     # llama.cpp's own default: F16 matrices; it computes activations in fp32, so float16 needs no probe
     "gguf": ExportFormat("gguf", False, "float16", suffix=".gguf", options="GGUFOptions", family_step="gguf",
-                         experts=True, fp16_probe=False),
+                         experts=True, fp16_probe=False, tables="codes"),
 }
 
 
@@ -90,15 +93,19 @@ def check_layers(source: Source, fmt: str) -> None:
     check = FORMATS[fmt].check
     if check is None:
         return
-    bad = [(name, why) for name, m in source.qmodules.items() if (why := check(m)) is not None]
+    tables = source.tables
+    own = tables.owners if FORMATS[fmt].tables == "codes" else set()  # the exporter writes these itself
+    bad = [(name, why) for name, m in source.qmodules.items() if name not in own and (why := check(m)) is not None]
     if not bad:
         return
     name, why = bad[0]
     others = carriers(source.qmodules[name])
     can = ", ".join(others) if others else "none of the integer formats"
+    head = (f"; `compress quantize ... --head none` keeps {name} full width"
+            if tables.head is not None and name == tables.head.name else "")
     raise ValueError(f"--format {fmt} cannot carry {name} ({why}; {len(bad)} layer(s) affected). "
                      f"Formats that can: {can}; `--format onnx` exports the dequantized weights, "
-                     "and the compress folder itself keeps them as they are")
+                     f"and the compress folder itself keeps them as they are{head}")
 
 
 @contextlib.contextmanager

@@ -7,7 +7,11 @@ any multiple of 32 (each block then repeats its group's scale), maps; so does ac
 ``--requantize TYPE``: their dequantized weights are rounded again by llama.cpp's rules, which the file
 records (``compress.requantized``). ``--k-quants`` writes 4-bit layers whose width divides by 256 as ``Q4_K``
 (our codes; each super-block's scales rounded to 6 bits, so not lossless), the rest as above, as llama.cpp
-falls back. Unquantized matrices are ``--embed-type`` (f16, bf16, f32 or q8_0); norms, biases and MoE routers
+falls back. Unquantized matrices are ``--embed-type`` (f16, bf16, f32, q8_0 or q6_k), except an unquantized head
+(``output``, or ``token_embd`` of a tied model), which is ``--output-type``: by default Q6_K for a quantized model,
+as llama.cpp's Q4_K_M writes it (Q8_0 where the width is not whole 256-wide super-blocks, as llama.cpp falls
+back), else --embed-type. A quantized embedding or head (the checkpoint's ``embed``/``head``) is written from its
+own codes, like the linears (see :func:`encode_table`). Norms, biases and MoE routers
 stay F32. Model knowledge (names, rotary layout) lives in gguf_arch.py.
 """
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from compress.exporters import gguf_arch, gguf_quants
-from compress.exporters.common import Source, fp_tensors
+from compress.exporters.common import QuantizedTable, Source, Tables, fp_tensors, tied_lm_head
 from compress.families import FAMILIES
 from compress.moe_packed import PackedLinears, PackedMoEExperts
 from compress.qlinear import QuantLinear
@@ -31,9 +35,10 @@ from compress.quant import QuantizedWeight, Scheme
 log = logging.getLogger(__name__)
 
 REQUANTIZE_TYPES = tuple(gguf_quants.REQUANTIZE)
-EMBED_TYPES = ("f16", "bf16", "f32", "q8_0")
+EMBED_TYPES = ("f16", "bf16", "f32", "q8_0", "q6_k")
 # llama.cpp's LLAMA_FTYPE_MOSTLY_*
-FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "bf16": 32}
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "q6_k": 18, "bf16": 32}
+HEAD_TYPE = "q6_k"  # an fp head of a quantized model, as llama.cpp's Q4_K_M writes ``output``
 FIX = ("re-quantize with `compress quantize ... --group-size 32 --no-act-order` (--sym for Q4_0/Q8_0), "
        f"or pass --requantize {'|'.join(REQUANTIZE_TYPES)} to round the dequantized weights again (not lossless)")
 
@@ -41,17 +46,21 @@ FIX = ("re-quantize with `compress quantize ... --group-size 32 --no-act-order` 
 @dataclass(frozen=True)
 class GGUFOptions:
     """``--requantize``: the block type for layers whose integers do not map (None: refuse them).
-    ``--embed-type``: unquantized matrices (None: from --dtype). ``--k-quants``: 4-bit layers as Q4_K."""
+    ``--embed-type``: unquantized matrices (None: from --dtype). ``--output-type``: an unquantized head (``output``,
+    or ``token_embd`` when tied; None: Q6_K for a quantized model as llama.cpp's Q4_K_M, else --embed-type).
+    ``--k-quants``: 4-bit layers as Q4_K."""
 
     requantize: str | None = None
     embed_type: str | None = None
     k_quants: bool = False
+    output_type: str | None = None
 
     def __post_init__(self):
         if self.requantize is not None and self.requantize not in REQUANTIZE_TYPES:
             raise ValueError(f"--requantize {self.requantize!r} is not supported; use one of {', '.join(REQUANTIZE_TYPES)}")
-        if self.embed_type is not None and self.embed_type not in EMBED_TYPES:
-            raise ValueError(f"--embed-type {self.embed_type!r} is not supported; use one of {', '.join(EMBED_TYPES)}")
+        for flag, value in (("--embed-type", self.embed_type), ("--output-type", self.output_type)):
+            if value is not None and value not in EMBED_TYPES:
+                raise ValueError(f"{flag} {value!r} is not supported; use one of {', '.join(EMBED_TYPES)}")
 
 
 def block_type(scheme: Scheme) -> str | None:
@@ -127,14 +136,17 @@ def encode_exact(qw: QuantizedWeight, k_quants: bool = False) -> Encoded:
 
 
 def encode_float(w: Tensor, qtype: str) -> Encoded:
-    """A float matrix as F32, F16, BF16 or a block type (rows whose width is not whole blocks fall back to F16)."""
+    """A float matrix as F32, F16, BF16 or a block type; a row width that is not whole blocks falls back as llama.cpp
+    does (Q6_K's 256 to Q8_0, then F16)."""
     if qtype == "f32":
         return Encoded("f32", w.float())
     if qtype == "bf16":  # numpy has no bfloat16: its bytes, [..., n] -> uint8 [..., 2n]
         return Encoded("bf16", w.to(torch.bfloat16).contiguous().view(torch.uint8))
+    if qtype == "q6_k" and w.shape[-1] % gguf_quants.SUPER_BLOCK:
+        qtype = "q8_0"
     if qtype == "f16" or w.shape[-1] % gguf_quants.BLOCK:
         return Encoded("f16", w.half())
-    return Encoded(qtype, gguf_quants.REQUANTIZE[qtype](w))
+    return Encoded(qtype, gguf_quants.FLOAT_BLOCKS[qtype](w))
 
 
 def encode_quantized(weights: list[QuantizedWeight], name: str, options: GGUFOptions, fallback: str) -> Encoded:
@@ -158,9 +170,12 @@ def _stack(lin: QuantLinear | PackedLinears) -> list[QuantizedWeight]:
     return [lin.quantized_weight(e) for e in range(lin.num_experts)]
 
 
-def _float_type(gguf_name: str, t: Tensor, embed_type: str) -> str:
+def _float_type(gguf_name: str, t: Tensor, embed_type: str, output_type: str, tied: bool) -> str:
     base = gguf_name.rsplit(".", 2)[-2]
-    return "f32" if t.dim() == 1 or base in gguf_arch.ROUTERS else embed_type
+    if t.dim() == 1 or base in gguf_arch.ROUTERS:
+        return "f32"
+    head = gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight")  # llama.cpp's rule
+    return output_type if head else embed_type
 
 
 def _finish(name: str, enc: Encoded, model: nn.Module, arch: gguf_arch.GGUFArch) -> Encoded:
@@ -174,11 +189,44 @@ def _finish(name: str, enc: Encoded, model: nn.Module, arch: gguf_arch.GGUFArch)
     return enc
 
 
-def plan_tensors(model: nn.Module, arch: gguf_arch.GGUFArch, options: GGUFOptions, embed_type: str) -> dict[str, Encoded]:
-    """Every GGUF tensor by name, encoded; raises before anything is written if one cannot be carried."""
+def table_type(scheme: Scheme, options: GGUFOptions) -> str:
+    """The block type a quantized embedding or head whose codes do not map is rounded again to."""
+    if options.requantize is not None:
+        return options.requantize
+    return {(4, True): "q4_0", (4, False): "q4_1"}.get((scheme.bits, scheme.sym), "q8_0")
+
+
+def encode_table(table: QuantizedTable, options: GGUFOptions) -> Encoded:
+    """A quantized embedding or LM head from its own codes (lossless where the grid maps onto a block type), else
+    its dequantized weights rounded again by llama.cpp's rules, logged: never refused, never widened to F16."""
+    qw = table.weight
+    why = why_not(qw.scheme, qw.q.shape[-1], None)
+    if why is None:
+        return encode_exact(qw, options.k_quants)
+    qtype = table_type(qw.scheme, options)
+    if qw.q.shape[-1] % gguf_quants.BLOCK:
+        log.warning("%s: width %d is not whole 32-wide blocks; written as F16 from its dequantized weights",
+                    table.name, qw.q.shape[-1])
+        return Encoded("f16", qw.dequantize().half(), "requantized")
+    log.warning("%s: its codes do not map onto a GGUF block type (%s); rounding its dequantized weights again "
+                "to %s (not lossless)", table.name, why.split(";")[0], qtype.upper())
+    return replace(encode_float(qw.dequantize(), qtype), how="requantized")
+
+
+def plan_tensors(model: nn.Module, arch: gguf_arch.GGUFArch, options: GGUFOptions, embed_type: str,
+                 tables: Tables | None = None, output_type: str | None = None) -> dict[str, Encoded]:
+    """Every GGUF tensor by name, encoded; raises before anything is written if one cannot be carried. Quantized
+    tables become ``token_embd``/``output`` from their codes; a tied head has no ``output`` (llama.cpp then reads
+    ``token_embd``)."""
+    tables = tables or Tables()
+    tied = tied_lm_head(model) or (tables.head is not None and tables.head.tied)
     out: dict[str, Encoded] = {}
     packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedMoEExperts)}
-    for key, t in fp_tensors(model, torch.float32).items():
+    for table in (tables.embed, tables.head):
+        if table is not None and not table.tied:
+            (name,) = gguf_arch.gguf_names(table.name, arch)
+            out[f"{name}.weight"] = encode_table(table, options)
+    for key, t in fp_tensors(model, torch.float32, tables, dequantize_embed=False).items():
         if any(key.startswith(f"{p}.") for p in packed):
             continue
         owner, _, leaf = key.rpartition(".")
@@ -188,8 +236,11 @@ def plan_tensors(model: nn.Module, arch: gguf_arch.GGUFArch, options: GGUFOption
         for n, part in zip(names, rows):
             if n.rsplit(".", 1)[-1] in gguf_arch.VECTORS:
                 part = part.reshape(-1)
-            out[f"{n}.{suffix}"] = encode_float(part, _float_type(f"{n}.{suffix}", part, embed_type))
+            qtype = _float_type(f"{n}.{suffix}", part, embed_type, output_type or embed_type, tied)
+            out[f"{n}.{suffix}"] = encode_float(part, qtype)
     for mod, lin in quantized_linears(model, packed).items():
+        if mod in tables.owners:
+            continue
         names = gguf_arch.gguf_names(mod, arch)
         enc = encode_quantized(_stack(lin), mod, options, embed_type if embed_type in ("f32", "bf16") else "f16")
         for n, part in zip(names, torch.chunk(enc.data, len(names), dim=-2)):
@@ -224,7 +275,7 @@ def provenance(source: Source, tensors: dict[str, Encoded], options: GGUFOptions
         out["compress.k_quants"] = sum(e.qtype == "q4_k" for e in tensors.values())  # tensors with 6-bit scales
     requantized = sorted(n for n, e in tensors.items() if e.how == "requantized")
     if requantized:
-        out["compress.requantize_type"] = str(options.requantize)
+        out["compress.requantize_type"] = str(options.requantize or "/".join(sorted({tensors[n].qtype for n in requantized})))
         out["compress.requantized"] = requantized
     return out
 
@@ -254,11 +305,13 @@ def write(source: Source, path: Path, dtype: torch.dtype, options: GGUFOptions) 
         raise ValueError("--format gguf needs the model's tokenizer beside its weights; none was found")
     embed_type = options.embed_type or {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype, "f16")
     metadata = {**gguf_arch.hparams(config, arch), **vocab_of(source.tokenizer, config.vocab_size).values()}
-    tensors = plan_tensors(model, arch, options, embed_type)
+    output_type = options.output_type or (HEAD_TYPE if source.quantized and options.embed_type is None else None)
+    tensors = plan_tensors(model, arch, options, embed_type, source.tables, output_type)
     requantized = sorted(n for n, e in tensors.items() if e.how == "requantized")
     if requantized:
         log.warning("requantized %d tensor(s) to %s by llama.cpp's rounding (not lossless): %s", len(requantized),
-                    options.requantize, ", ".join(requantized[:4]) + (" ..." if len(requantized) > 4 else ""))
+                    "/".join(sorted({tensors[n].qtype for n in requantized})),
+                    ", ".join(requantized[:4]) + (" ..." if len(requantized) > 4 else ""))
     blocks = Counter(e.qtype for e in tensors.values() if e.qtype in gguf_quants.BYTES_PER_BLOCK)
     main_type = blocks.most_common(1)[0][0] if blocks else embed_type
     metadata.update({"general.name": source.path.name if source.path else source.model_type,

@@ -9,6 +9,9 @@ inputs of one row, so a row of ``n`` inputs is ``n / 32`` blocks laid end to end
 - ``Q4_K`` 144 bytes per super-block of 256 inputs (8 sub-blocks of 32): ``d``, ``dmin`` fp16, 12 bytes of
   eight 6-bit scales ``sc`` and mins ``mn``, then 128 nibble bytes (byte ``l`` of each 32-byte chunk ``k``
   holds sub-block ``2k``'s code ``l`` low and ``2k + 1``'s high). ``w = d * sc * q - dmin * mn``.
+- ``Q6_K`` 210 bytes per super-block of 256 inputs (16 sub-blocks of 16): 128 bytes of low nibbles, 64 bytes of
+  high 2-bit pairs, sixteen int8 scales ``sc``, then ``d`` fp16. ``w = d * sc * (q - 32)``, ``q`` in [0, 63].
+  What llama.cpp's Q4_K_M writes for ``output`` (and for ``token_embd`` when the head is tied).
 
 Our codes map onto these without rounding: a symmetric 4-bit code already is ``q`` with zero 8
 (``Scheme.sym_zero``), so ``Q4_0`` stores it with ``d = scale``; an asymmetric 4-bit code keeps ``q`` and
@@ -25,7 +28,7 @@ from compress.quant import fp16_ceil
 
 BLOCK = 32
 SUPER_BLOCK = 256
-BYTES_PER_BLOCK = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 144}
+BYTES_PER_BLOCK = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 144, "q6_k": 210}
 
 
 def _blocks(x: Tensor) -> Tensor:
@@ -126,4 +129,43 @@ def requantize_q8_0(w: Tensor) -> Tensor:
     return _rows([_fp16_bytes(d[..., 0]), signed])
 
 
+def _signed_absmax(x: Tensor) -> Tensor:
+    """The value of largest magnitude along the last dim, with its sign, keepdim."""
+    return torch.gather(x, -1, x.abs().argmax(dim=-1, keepdim=True))
+
+
+def pack_q6_k(codes: Tensor, sc: Tensor, d: Tensor) -> Tensor:
+    """6-bit codes [..., n] in [0, 63] (n divisible by 256), int8 sub-block scales ``sc`` [..., n / 16] and fp16
+    super-block scales ``d`` [..., n / 256] -> Q6_K bytes [..., n / 256 * 210]."""
+    assert codes.shape[-1] % SUPER_BLOCK == 0, f"row length {codes.shape[-1]} is not a multiple of {SUPER_BLOCK}"
+    lead, nsb = codes.shape[:-1], codes.shape[-1] // SUPER_BLOCK
+    u = codes.to(torch.uint8).reshape(*lead, nsb, 2, 4, BLOCK)  # [..., nsb, half, quarter, 32]
+    lo, hi = u & 0xF, u >> 4
+    # ql: byte l of half h holds quarter 0 (then 1)'s low nibble for l < 32 (then 32..63): low | quarter + 2 high
+    ql = (lo[..., :2, :] | (lo[..., 2:, :] << 4)).reshape(*lead, nsb, 128)
+    # qh: byte l of half h holds the high pairs of quarters 0..3 at bits 0, 2, 4, 6
+    qh = (hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)).reshape(*lead, nsb, 64)
+    scales = sc.to(torch.int8).reshape(*lead, nsb, 16).contiguous().view(torch.uint8)
+    return _rows([ql, qh, scales, _fp16_bytes(d.reshape(*lead, nsb))])
+
+
+def requantize_q6_k(w: Tensor) -> Tensor:
+    """Q6_K of float weights [..., n] (n divisible by 256), the shape of llama.cpp's ``quantize_row_q6_K_ref``
+    without its per-sub-block scale search: each 16-wide sub-block's signed absmax maps to code -32, the sixteen
+    scales become int8 multiples of the super-block's ``d`` (its largest scale maps to -128), then codes round."""
+    x = w.float().reshape(*w.shape[:-1], w.shape[-1] // SUPER_BLOCK, 16, 16)  # [..., nsb, 16 sub-blocks, 16]
+    scale = _signed_absmax(x)[..., 0] / -32  # [..., nsb, 16]
+    top = _signed_absmax(scale)  # [..., nsb, 1]
+    iscale = torch.where(top == 0, torch.zeros_like(top), -128 / torch.where(top == 0, torch.ones_like(top), top))
+    d = _inverse(iscale).half()  # [..., nsb, 1]
+    sc = torch.round(iscale * scale).clamp(-128, 127)
+    step = d.float() * sc  # [..., nsb, 16]: the step each sub-block's codes are counted in
+    q = torch.round(x * _inverse(step)[..., None]).clamp(-32, 31) + 32
+    n = w.shape[-1]
+    return pack_q6_k(q.reshape(*w.shape[:-1], n).to(torch.uint8), sc.reshape(*w.shape[:-1], n // 16), d[..., 0])
+
+
 REQUANTIZE = {"q4_0": requantize_q4_0, "q4_1": requantize_q4_1, "q8_0": requantize_q8_0}
+# block types a float matrix can be rounded to, with the row width each needs (llama.cpp falls back past it)
+FLOAT_BLOCKS = {**REQUANTIZE, "q6_k": requantize_q6_k}
+ROW_MULTIPLE = {"q4_0": BLOCK, "q4_1": BLOCK, "q8_0": BLOCK, "q6_k": SUPER_BLOCK}

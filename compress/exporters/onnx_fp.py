@@ -118,7 +118,7 @@ def write_onnx(source: Source, folder: Path, dtype: torch.dtype, fmt: str,
     model = prepare(source.model, dtype)
     meta = {"compress.format": fmt, "compress.dtype": str(dtype).removeprefix("torch.")}
     export_decoder(model, folder / MODEL_FILE, dtype, translations, meta)
-    write_side_files(folder, source, export_config(source.model, dtype, None))
+    write_side_files(folder, source, export_config(source.model, dtype, None, source.tables))
 
 
 def write(source: Source, folder: Path, dtype: torch.dtype) -> None:

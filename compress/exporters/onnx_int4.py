@@ -12,10 +12,18 @@ the layer's own codes and fp16 scales:
 - act-order: MatMulNBits' ``g_idx`` input is deprecated and ignored by the CPU kernel, so the
   columns are permuted to make groups contiguous and the activations are gathered to match
   (``x[..., perm] @ W[:, perm].T == x @ W.T``).
+
+A quantized embedding (the checkpoint's ``embed``, exporters/common.py ``Tables``) becomes one
+``com.microsoft::GatherBlockQuantized`` (ONNX Runtime >= 1.20; checked on 1.31) on its own 4- or 8-bit codes,
+fp scales and uint8 zero points per block (``gather_axis`` 0, ``quantize_axis`` 1), so only the rows asked for are
+dequantized; a tied head at 4 bits is MatMulNBits on the same codes (the file holds one copy). Codes whose groups do
+not fit its blocks (3-bit, NF4, a 4-bit row of an odd number of blocks) are written dequantized, logged. An untied
+quantized head is one more QuantLinear.
 """
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from pathlib import Path
 
@@ -23,13 +31,15 @@ import torch
 from torch import Tensor, nn
 
 from compress.checkpoint import set_module
-from compress.exporters.common import Source, group_map, zeros_of
+from compress.exporters.common import Source, Tables, group_map, zeros_of
 from compress.exporters.onnx_fp import write_onnx
 from compress.exporters.packing import pack_nibbles, unpack_nibbles
 from compress.qlinear import QuantLinear
+from compress.quant import QuantizedWeight
 
 BLOCKS = (256, 128, 64, 32, 16)  # block sizes ONNX Runtime's CPU MatMulNBits accepts
-_OP = None
+_OP = _GATHER = None
+log = logging.getLogger(__name__)
 
 
 def block_size(m: QuantLinear) -> int | None:
@@ -150,7 +160,14 @@ def translations() -> dict:
         inputs = (x, b, scales) if zero_points is None else (x, b, scales, zero_points)
         return nbits(*inputs, K=K, N=N, bits=bits, block_size=block_size, accuracy_level=0)
 
-    return {matmul_nbits_op()._opoverload: matmul_nbits}
+    gather = onnxscript.values.Op(onnxscript.values.Opset("com.microsoft", 1), "GatherBlockQuantized",
+                                  _gather_schema())
+
+    def gather_block_quantized(ids, data, scales, zero_points, bits: int = 4, block_size: int = 32):
+        return gather(data, ids, scales, zero_points, gather_axis=0, quantize_axis=1, block_size=block_size,
+                      bits=bits)
+
+    return {matmul_nbits_op()._opoverload: matmul_nbits, gather_op()._opoverload: gather_block_quantized}
 
 
 class NBitsLinear(nn.Module):
@@ -171,13 +188,101 @@ class NBitsLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def nbits_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy of ``model`` in ``dtype`` whose QuantLinear layers are NBitsLinear."""
+def gather_block(qw: QuantizedWeight) -> int | None:
+    """GatherBlockQuantized's block for a quantized embedding (a power of two >= 16 inside each group), or None."""
+    width = qw.q.shape[-1]
+    g = qw.scheme.group(width)
+    if qw.scheme.format != "int" or qw.scheme.bits not in (4, 8) or width % g:
+        return None
+    block = next((b for b in BLOCKS if g % b == 0), None)
+    if block is None or (qw.scheme.bits == 4 and (width // block) % 2):
+        return None  # 4-bit zero points pack two blocks a byte: an odd count is left to the dequantized table
+    return block
+
+
+def _gather_reference(ids: Tensor, data: Tensor, scales: Tensor, zero_points: Tensor, bits: int,
+                      block_size: int) -> Tensor:
+    """GatherBlockQuantized's math in torch (gather_axis 0, quantize_axis 1): gather rows, dequantize them."""
+    rows, zp = data[ids.reshape(-1)], zero_points[ids.reshape(-1)]
+    if bits == 4:
+        rows, zp = unpack_nibbles(rows), unpack_nibbles(zp)
+    s = scales[ids.reshape(-1)].float().repeat_interleave(block_size, dim=1)
+    w = (rows.float() - zp.float().repeat_interleave(block_size, dim=1)) * s
+    return w.reshape(*ids.shape, -1).to(scales.dtype)
+
+
+def gather_op():
+    """Register (once) and return the custom op that stands for GatherBlockQuantized while tracing."""
+    global _GATHER
+    if _GATHER is None:
+        op = torch.library.custom_op("compress_export::gather_block_quantized", mutates_args=())(_gather_reference)
+        op.register_fake(lambda ids, data, scales, zero_points, bits, block_size:
+                         scales.new_empty(*ids.shape, data.shape[1] * (8 // bits)))
+        _GATHER = op
+    return _GATHER
+
+
+def _gather_schema():
+    import onnx.defs as d
+
+    P, attr = d.OpSchema.FormalParameter, d.OpSchema.Attribute
+    return d.OpSchema(
+        "GatherBlockQuantized", "com.microsoft", 1, "ONNX Runtime contrib op (declared here for onnxscript)",
+        inputs=[P("data", "T1"), P("indices", "Tind"), P("scales", "T2"), P("zero_points", "T1")],
+        outputs=[P("output", "T2")],
+        type_constraints=[("T1", ["tensor(uint8)"], ""), ("T2", ["tensor(float)", "tensor(float16)"], ""),
+                          ("Tind", ["tensor(int32)", "tensor(int64)"], "")],
+        attributes=[attr(a, d.OpSchema.AttrType.INT, "") for a in ("gather_axis", "quantize_axis", "block_size",
+                                                                    "bits")])
+
+
+class GatherQuantizedEmbedding(nn.Module):
+    """An embedding held as GatherBlockQuantized's tensors (codes a byte, or two a byte at 4 bits, with scales
+    and zero points per block): only the rows asked for are dequantized."""
+
+    def __init__(self, qw: QuantizedWeight, embed_scale: Tensor | None = None):
+        super().__init__()
+        self.bits, self.block = qw.scheme.bits, gather_block(qw)
+        self.register_buffer("embed_scale", embed_scale)  # Gemma's scaled embedding multiplies inside the module
+        width = qw.q.shape[-1]
+        groups = torch.arange(0, width, self.block) // qw.scheme.group(width)  # the group of each block
+        z = zeros_of_weight(qw)[:, groups]  # [vocab, blocks]
+        pack = pack_nibbles if self.bits == 4 else (lambda t: t.to(torch.uint8))
+        self.register_buffer("data", pack(qw.q))  # [vocab, width (/ 2)]
+        self.register_buffer("zero_points", pack(z))
+        self.register_buffer("scales", qw.scale[:, groups].float())
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = gather_op()(ids, self.data, self.scales, self.zero_points, self.bits, self.block)
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(rows.dtype)
+
+
+def zeros_of_weight(qw: QuantizedWeight) -> Tensor:
+    return qw.zero.to(torch.uint8) if qw.zero is not None else torch.full(qw.scale.shape, qw.scheme.sym_zero,
+                                                                        dtype=torch.uint8)
+
+
+def nbits_copy(model: nn.Module, dtype: torch.dtype, tables: Tables | None = None) -> nn.Module:
+    """A copy of ``model`` in ``dtype`` whose QuantLinear layers are NBitsLinear; a quantized embedding becomes
+    GatherBlockQuantized (its tied head, at 4 bits, MatMulNBits on the same codes) where its blocks fit."""
     model = copy.deepcopy(model)
     for name, m in [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]:
         set_module(model, name, NBitsLinear(m))
+    embed = tables.embed if tables is not None else None
+    if embed is not None and gather_block(embed.weight) is None:
+        log.warning("%s: its %s codes do not fit GatherBlockQuantized's blocks; written dequantized", embed.name,
+                    embed.weight.scheme)
+    elif embed is not None:
+        scale = getattr(model.get_submodule(embed.name), "embed_scale", None)
+        set_module(model, embed.name, GatherQuantizedEmbedding(embed.weight, scale))
+        head = tables.head
+        if head is not None and head.tied and check(lin := QuantLinear.from_quantized(head.weight)) is None:
+            set_module(model, head.name, NBitsLinear(lin))
     return model.to(dtype).eval()
 
 
 def write(source: Source, folder: Path, dtype: torch.dtype) -> None:
-    write_onnx(source, folder, dtype, "onnx-int4", nbits_copy, translations())
+    def prepare(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+        return nbits_copy(model, dtype, source.tables)
+
+    write_onnx(source, folder, dtype, "onnx-int4", prepare, translations())

@@ -73,6 +73,10 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
     **{f: {m: "AWQ's searches only" for m in ("rtn", "nf4", "gptq")} for f in AWQ - {"rounding"}},
     "rounding": {m: REFUSED for m in ("rtn", "nf4", "gptq", "qat")},
     **{f: {m: "QAT only" for m in PTQ} for f in QAT},
+    # read through the scheme by compress/quant.py (and qat's learned zeros), but it changes only groups that
+    # min/max rounding gives zero 0, which these random models lack: tests/compress/test_quant.py tests it
+    "zero_floor": {**{m: "changes no group of these random models" for m in ("rtn", "gptq", "awq", "qat")},
+                   "nf4": REFUSED},
     "moe_min_tokens": {**{m: "refused on a dense model; data-free experts count no tokens" for m in DATA_FREE},
                        **{m: "refused on a dense model (compress/moe.py)" for m in ("gptq", "awq", "qat")}},
 }
@@ -84,7 +88,7 @@ CHANGE = {
     "grid": 3, "duo_scaling": False, "clip": False, "search_tokens": 8, "clip_tokens": 4, "clip_grid": 4,
     "rounding": "gptq", "init": "awq", "steps": 3, "lr": 1e-2, "scale_lr": 0.0, "learn_zero": True, "lr_in_steps": True,
     "self_data": 0.5,
-    "train_dtype": "bfloat16", "ignore": ("lm_head", "o_proj"), "moe_min_tokens": 10_000,
+    "train_dtype": "bfloat16", "ignore": ("lm_head", "o_proj"), "moe_min_tokens": 10_000, "zero_floor": 1,
 }
 # a MoE model's other linears stay fp, so its experts see the same routed tokens whatever the dense path does
 MOE_FP = ("lm_head", r"self_attn\.", "shared_expert")

@@ -67,14 +67,15 @@ def test_nf4_hits_codebook_exactly():
 
 
 @pytest.mark.parametrize("kw,msg", [(dict(bits=5), "bits=5"), (dict(group_size=4), "group_size=4"),
-                                    (dict(format="fp4"), "format"), (dict(bits=3, format="nf4"), "nf4")])
+                                    (dict(format="fp4"), "format"), (dict(bits=3, format="nf4"), "nf4"),
+                                    (dict(sym=True, zero_floor=1), "zero_floor=1"), (dict(zero_floor=2), "zero_floor")])
 def test_bad_schemes_name_the_value(kw, msg):
     with pytest.raises(ValueError, match=msg):
         Scheme(**kw)
 
 
 @pytest.mark.parametrize("scheme", [Scheme(4, 64, False), Scheme(4, 64, True), Scheme(3, 40, False),
-                                    Scheme(8, -1, True), Scheme(4, 64, True, "nf4")])
+                                    Scheme(8, -1, True), Scheme(4, 64, True, "nf4"), Scheme(4, 32, zero_floor=1)])
 def test_fake_quantize_is_exactly_the_stored_round_trip(scheme):
     from compress.quant import fake_quantize
 
@@ -157,3 +158,24 @@ def test_weighted_range_beats_min_max_on_the_weighted_output_error(scheme):
     assert out_err[1] < 0.9 * out_err[0]
     # the data-free path is unchanged by the new parameter
     assert torch.equal(quantize_weight(w, scheme).q, quantize_weight(w, scheme, None).q)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_zero_floor_keeps_zeros_at_least_one_and_every_weight_within_half_a_step(bits):
+    """Groups of non-negative weights (zero 0 by min/max) take zero 1; the grid still covers every weight, and
+    only those groups change."""
+    from compress.quant import weighted_range_params
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 96, generator=g) * 0.05
+    w[:8, :32] = w[:8, :32].abs()  # eight rows whose first group is non-negative
+    plain, floored = Scheme(bits, 32), Scheme(bits, 32, zero_floor=1)
+    s0, z0 = compute_qparams(w, plain)
+    s1, z1 = compute_qparams(w, floored)
+    assert int((z0 == 0).sum()) >= 8 and int(z1.min()) >= 1
+    assert torch.equal(s0[z0 > 0], s1[z0 > 0]) and torch.equal(z0[z0 > 0], z1[z0 > 0])
+    err = (dequantize(quantize(w, s1, z1, floored), s1, z1, floored) - w).abs()
+    assert bool((err <= s1.float().repeat_interleave(32, 1) / 2 * (1 + 1e-5)).all())
+    _, zw = weighted_range_params(w, floored, torch.rand(96, generator=g))
+    assert int(zw.min()) >= 1
+    assert floored.to_dict()["zero_floor"] == 1 and "zero_floor" not in plain.to_dict()

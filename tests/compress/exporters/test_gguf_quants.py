@@ -112,3 +112,25 @@ def test_q4_k_keeps_the_codes_and_rounds_only_the_scales_to_6_bits(sym, kind):
     # so the change from our weights is the 6-bit rounding of scale and minus: at most half a step each
     bound = (15 * d / 2 + dmin / 2)[..., None] * 1.0001
     assert ((ref - ours.reshape(3, 2, 8, 32)).abs() <= bound).all()
+
+
+def test_q6_k_layout_matches_the_gguf_dequantizer():
+    """Any 6-bit codes, int8 scales and fp16 d dequantize through gguf to exactly d * sc * (q - 32)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 64, (3, 512), generator=g, dtype=torch.uint8)
+    sc = torch.randint(-128, 128, (3, 32), generator=g).to(torch.int8)
+    d = (torch.rand(3, 2, generator=g) * 1e-2).half()
+    want = d.float().repeat_interleave(256, 1) * sc.float().repeat_interleave(16, 1) * (q.float() - 32)
+    np.testing.assert_array_equal(_reference(gq.pack_q6_k(q, sc, d), T.Q6_K, 512), want.numpy())
+
+
+@pytest.mark.parametrize("kind", ["normal", "zero-groups", "extreme"])
+def test_requantize_q6_k_is_within_a_step_of_each_sub_block(kind):
+    """Codes run -32..31 and the signed absmax maps to -32, so a value of the opposite sign and the same magnitude
+    clips by one step; the int8 scale adds up to 16 of the super-block's ``d = top / 128`` (17 with d's fp16)."""
+    w = _weights(6, 512, kind)
+    got = torch.from_numpy(_reference(gq.requantize_q6_k(w), T.Q6_K, 512).copy()).reshape(6, -1, 16)
+    sub = w.reshape(6, -1, 16)  # [rows, 32 sub-blocks, 16]
+    step = sub.abs().amax(-1, keepdim=True) / 32
+    top = step.reshape(6, 2, 16).amax(-1).repeat_interleave(16, dim=1)[..., None]  # each super-block's largest step
+    assert bool(((got - sub).abs() <= step + 17 * top / 128).all())

@@ -1,4 +1,5 @@
-"""GPTQ v1: a reference unpacker written from AutoGPTQ's documented math reproduces our weights exactly."""
+"""GPTQ v1 and v2: a reference unpacker written from AutoGPTQ's documented math (v2: GPTQModel's exact zeros)
+reproduces our weights exactly."""
 from __future__ import annotations
 
 import json
@@ -32,10 +33,11 @@ def _unpack_rows(words: np.ndarray, bits: int) -> np.ndarray:
     return codes.reshape(-1, w.shape[2])
 
 
-def reference_dequantize(qweight, qzeros, scales, g_idx, bits: int) -> torch.Tensor:
-    """w[i, o] = scales[g_idx[i], o] * (q[i, o] - (z[g_idx[i], o] + 1)), returned as [out, in]."""
+def reference_dequantize(qweight, qzeros, scales, g_idx, bits: int, offset: int = 1) -> torch.Tensor:
+    """w[i, o] = scales[g_idx[i], o] * (q[i, o] - (z[g_idx[i], o] + offset)), returned as [out, in]; offset 1 in
+    v1, 0 in v2."""
     q = _unpack_rows(qweight.numpy(), bits)  # [in, out]
-    z = _unpack_rows(qzeros.numpy().T, bits).T + 1  # qzeros packs along out: [G, out]
+    z = _unpack_rows(qzeros.numpy().T, bits).T + offset  # qzeros packs along out: [G, out]
     g = g_idx.numpy().astype(np.int64)
     s = scales.float().numpy()
     w = s[g] * (q - z[g]).astype(np.float32)
@@ -104,13 +106,44 @@ def test_refuses_what_v1_cannot_carry(quantized_dir, tmp_path, recipe, why):
     assert not (tmp_path / "out").exists()
 
 
-def test_refuses_zero_point_zero(tmp_path):
+def test_zero_point_zero_is_written_as_v2_with_exact_zeros(tmp_path):
+    """v1 cannot store a zero of 0 ('zero - 1' wraps): the model goes out as gptq_v2, every layer's zeros exact."""
     from compress.quant import Scheme
     from .models import quantize_model, save, tiny_model
 
     model = quantize_model(tiny_model("llama"), Scheme(4, 32))
-    model.model.layers[0].self_attn.q_proj.qzeros[3, 1] = 0
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj.qzeros[3, 1] = 0
     save(model, tmp_path / "q", Scheme(4, 32))
-    with pytest.raises(ValueError, match="zero point 0") as e:
-        export(str(tmp_path / "q"), "gptq", tmp_path / "out")
-    assert "awq" in str(e.value) and "compressed-tensors" in str(e.value)
+    out = export(str(tmp_path / "q"), "gptq", tmp_path / "out")
+    qc = json.loads((out / "quantize_config.json").read_text())
+    assert qc["checkpoint_format"] == "gptq_v2"
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == qc
+    tensors = load_file(str(out / "model.safetensors"))
+    for name, m in quantized_modules(load_quantized(tmp_path / "q")).items():
+        got = reference_dequantize(tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"], tensors[f"{name}.scales"],
+                                   tensors[f"{name}.g_idx"], 4, offset=0)
+        assert torch.equal(got, m.dequantized_weight(torch.float32)), name
+
+
+@pytest.mark.parametrize("zero_floor,fmt", [(0, "gptq_v2"), (1, "gptq")])
+def test_zero_floor_one_keeps_a_checkpoint_in_v1(tmp_path, zero_floor, fmt):
+    """Non-negative groups get zero 0 by min/max rounding (v2); quantized with zero_floor 1 the same model is v1,
+    and the floor travels in the checkpoint's scheme."""
+    from compress.quant import Scheme
+    from .models import quantize_model, save, tiny_model
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[:, :32].abs_()
+    scheme = Scheme(4, 32, zero_floor=zero_floor)
+    save(quantize_model(model, scheme), tmp_path / "q", scheme)
+    out = export(str(tmp_path / "q"), "gptq", tmp_path / "g")
+    assert json.loads((out / "quantize_config.json").read_text())["checkpoint_format"] == fmt
+    layers = quantized_modules(load_quantized(tmp_path / "q"))
+    assert all(m.scheme.zero_floor == zero_floor for m in layers.values())
+    tensors = load_file(str(out / "model.safetensors"))
+    name, m = "model.layers.0.mlp.up_proj", layers["model.layers.0.mlp.up_proj"]
+    got = reference_dequantize(tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"], tensors[f"{name}.scales"],
+                               tensors[f"{name}.g_idx"], 4, offset=1 if fmt == "gptq" else 0)
+    assert torch.equal(got, m.dequantized_weight(torch.float32))
