@@ -167,31 +167,22 @@ def test_per_linear_exports(folders, real, tmp_path):
     assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-5
 
 
-def _rope_type(real) -> str:
-    return (tiny_config(real).rope_parameters or {}).get("rope_type", "default")
-
-
-GGUF_ROPE = ("default", "linear")  # compress/exporters/gguf_arch.py's rope_metadata
-NO_GGUF_ROPE = ("compress/exporters/gguf_arch.py writes plain or linear rope only; llama.cpp runs llama3 rope from a "
-                "rope_freqs tensor and longrope from rope_factors_long/short tensors, which the writer lacks")
-
-
 def _gguf_params():
-    for r in REALS:
-        if supports(r.model_type, "gguf"):
-            marks = () if _rope_type(r) in GGUF_ROPE else pytest.mark.xfail(strict=True, raises=ValueError,
-                                                                           reason=NO_GGUF_ROPE)
-            yield pytest.param(r, id=r.id, marks=marks)
+    return _params(r for r in REALS if supports(r.model_type, "gguf"))
 
 
 @pytest.mark.parametrize("real", _gguf_params())
 def test_gguf_export(folders, real, tmp_path):
-    """The GGUF names the family's llama.cpp architecture and carries the tiny model's special ids."""
+    """The GGUF names the family's llama.cpp architecture and carries the tiny model's special ids, and its rope
+    scaling's per-frequency factors (llama3: ``rope_freqs``; longrope: ``rope_factors_long/short``)."""
     from compress.exporters.dispatch import export
+    from compress.exporters.gguf_arch import rope_tensors
 
     gguf = pytest.importorskip("gguf")
     out = export(str(folders(real, CALIBRATED[real.id])), "gguf", tmp_path / "m.gguf")
-    fields = {k: f.contents() for k, f in gguf.GGUFReader(str(out)).fields.items()}
+    reader = gguf.GGUFReader(str(out))
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert set(rope_tensors(tiny_config(real))) <= {t.name for t in reader.tensors}
     assert fields["general.architecture"] == FAMILIES[real.model_type].gguf.name
     tiny = tiny_config(real)
     for k, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),

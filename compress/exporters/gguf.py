@@ -11,8 +11,9 @@ falls back. Unquantized matrices are ``--embed-type`` (f16, bf16, f32, q8_0 or q
 (``output``, or ``token_embd`` of a tied model), which is ``--output-type``: by default Q6_K for a quantized model,
 as llama.cpp's Q4_K_M writes it (Q8_0 where the width is not whole 256-wide super-blocks, as llama.cpp falls
 back), else --embed-type. A quantized embedding or head (the checkpoint's ``embed``/``head``) is written from its
-own codes, like the linears (see :func:`encode_table`). Norms, biases and MoE routers
-stay F32. Model knowledge (names, rotary layout) lives in gguf_arch.py.
+own codes, like the linears (see :func:`encode_table`). Norms, biases, MoE routers and the per-frequency factors
+of llama3 rope and longrope (``rope_freqs``, ``rope_factors_long/short``) are F32. Model knowledge (names, rotary
+layout and scaling) lives in gguf_arch.py.
 """
 from __future__ import annotations
 
@@ -245,7 +246,8 @@ def plan_tensors(model: nn.Module, arch: gguf_arch.GGUFArch, options: GGUFOption
         enc = encode_quantized(_stack(lin), mod, options, embed_type if embed_type in ("f32", "bf16") else "f16")
         for n, part in zip(names, torch.chunk(enc.data, len(names), dim=-2)):
             out[f"{n}.weight"] = replace(enc, data=part.contiguous())
-    return {name: _finish(name, enc, model, arch) for name, enc in out.items()}
+    rope = {name: Encoded("f32", t) for name, t in gguf_arch.rope_tensors(model.config).items()}  # llama3, longrope
+    return {**{name: _finish(name, enc, model, arch) for name, enc in out.items()}, **rope}
 
 
 def quantized_linears(model: nn.Module, packed: dict[str, PackedMoEExperts]) -> dict[str, QuantLinear | PackedLinears]:

@@ -93,3 +93,22 @@ def test_llama_cpp_runs_k_quant_exports_as_transformers_reads_them(tmp_path, mon
     text = "the quick brown fox jumps over the lazy dog, hello world. " * 60
     (tmp_path / "t.txt").write_text(text)
     assert _llama_ppl(path, tmp_path / "t.txt") == pytest.approx(_torch_ppl(path, text), rel=0.02)
+
+
+@pytest.mark.parametrize("rid", ["llama/meta-llama--Llama-3.1-8B-Instruct", "phi3/microsoft--Phi-4-mini-instruct"])
+def test_llama_cpp_runs_scaled_rope(tmp_path, monkeypatch, rid):
+    """Llama 3.1's llama3 rope (``rope_freqs``) and Phi-4-mini's longrope (``rope_factors_long/short``, attn_factor;
+    short factors within the original context, as transformers): llama.cpp loads the factors (it refuses a file
+    holding a tensor it does not read) and scores the fp32 export as transformers scores the tiny model."""
+    from real_configs import build as build_real
+    from real_configs import load_all
+
+    from .gguf_models import bpe_tokenizer
+
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
+    build_real(next(r for r in load_all() if r.id == rid), tmp_path / "fp")
+    bpe_tokenizer().save_pretrained(tmp_path / "fp")
+    path = export(str(tmp_path / "fp"), "gguf", tmp_path / "m.gguf", options=GGUFOptions(embed_type="f32"))
+    text = "the quick brown fox jumps over the lazy dog, hello world. " * 60
+    (tmp_path / "t.txt").write_text(text)
+    assert _llama_ppl(path, tmp_path / "t.txt") == pytest.approx(_torch_ppl(tmp_path / "fp", text), rel=0.02)
