@@ -124,10 +124,14 @@ def load_tokenizer(src: ModelSource, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file, trust_remote_code=trust_remote_code)
 
 
+GGUF_CACHE_VERSION = 2
+
+
 def _gguf_cache_path(src: ModelSource) -> Path:
     gguf = src.path / src.gguf_file
     stat = gguf.stat()
-    return _cache_dir() / "gguf" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    # GGUF_CACHE_VERSION: bumped when the conversion changes what it writes (2: llama3 rope read back from rope_freqs)
+    return _cache_dir() / "gguf" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-v{GGUF_CACHE_VERSION}"
 
 
 def gguf_cache(src: ModelSource) -> Path:

@@ -126,25 +126,32 @@ def test_gguf_carries_the_rope_factors(rid, tmp_path):
 
 
 @pytest.mark.usefixtures("_private_cache")
-def test_llama3_gguf_logits_through_compress_eval_loader(tmp_path):
-    """transformers' GGUF loader (the one `compress eval FILE.gguf` uses) drops ``rope_freqs`` and builds a plain rope,
-    so the loaded model's logits are off; with the file's own factors put back they are the checkpoint's."""
-    gguf = pytest.importorskip("gguf")
+@pytest.mark.parametrize("rid", sorted(r for r in SCALED if KIND[r] == "llama3"))
+def test_llama3_gguf_logits_through_compress_eval_loader(tmp_path, rid):
+    """transformers' GGUF reader drops ``rope_freqs``; the loader (`compress eval FILE.gguf`, quantize and serve from a
+    GGUF) reads it back as llama3 rope parameters, so the loaded model's logits are the checkpoint's."""
     from compress.models import load_model
 
     from .gguf_models import bpe_tokenizer
 
-    real = SCALED["llama/meta-llama--Llama-3.1-8B-Instruct"]
-    model = build_real(real, tmp_path / "fp")
+    model = build_real(SCALED[rid], tmp_path / "fp")
     bpe_tokenizer().save_pretrained(tmp_path / "fp")  # transformers' GGUF tokenizer reader needs BPE merges
     path = export(str(tmp_path / "fp"), "gguf", tmp_path / "m.gguf", options=GGUFOptions(embed_type="f32"))
     back, _, _ = load_model(str(path))
-    assert (back.config.rope_parameters or {}).get("rope_type", "default") == "default"  # the factors are ignored
+    assert back.config.rope_parameters["rope_type"] == "llama3"
     ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want = model(ids).logits
-        assert (back(ids).logits - want).abs().max() > 1e-3
-        factors = next(t for t in gguf.GGUFReader(path).tensors if t.name == "rope_freqs.weight")
-        rotary = back.model.rotary_emb
-        rotary.inv_freq = rotary.inv_freq / torch.from_numpy(factors.data.copy())
-        torch.testing.assert_close(back(ids).logits, want, rtol=0, atol=1e-4)
+        torch.testing.assert_close(back(ids).logits, model(ids).logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("rid", sorted(r for r in SCALED if KIND[r] == "llama3"))
+def test_llama3_parameters_from_factors_reproduce_the_factors(rid):
+    """The published (full-width) factors and the tiny model's both come back from the recovered parameters."""
+    from compress.gguf_dequant import llama3_rope_from_factors
+
+    for config in (_published(SCALED[rid]), tiny_config(SCALED[rid])):
+        params, _ = gguf_arch.rope_parameters(config)
+        theta, dim = params["rope_theta"], gguf_arch.rotary_dim(config)
+        factors = gguf_arch.llama3_rope_freqs(params, theta, dim)
+        back = llama3_rope_from_factors(factors, theta)
+        torch.testing.assert_close(gguf_arch.llama3_rope_freqs(back, theta, dim), factors, rtol=1e-5, atol=0)
