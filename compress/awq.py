@@ -88,8 +88,10 @@ def search_clip(x: Tensor, w: Tensor, scheme: Scheme, grid: int = 20, max_shrink
                 chunk: int = 256) -> Bounds:
     """Shrink each group's quantization range (min/max for asymmetric, +-absmax for symmetric) by the
     factor in ``[1 - max_shrink, 1]`` that minimises the group's contribution to the output error on
-    sample inputs ``x: [n, in]``."""
+    sample inputs ``x: [n, in]``. A group's error over the samples, mean_n (x_g . dq)^2, is dq C_g dq^T with
+    C_g = x_g^T x_g / n, so each candidate costs [out, g] x [g, g] products per group instead of n-row ones."""
     xg = _grouped(x.float(), scheme).permute(1, 0, 2)  # [G, n, g]
+    gram = torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]  # [G, g, g]
     wg_all = _grouped(w.float(), scheme)  # [out, G, g]
     if scheme.sym or scheme.format == "nf4":
         hi_all = wg_all.abs().amax(dim=-1)
@@ -105,7 +107,8 @@ def search_clip(x: Tensor, w: Tensor, scheme: Scheme, grid: int = 20, max_shrink
             f = 1 - k / grid
             lo, hi = lo_all[rows] * f, hi_all[rows] * f
             dq = fake_quantize_groups(torch.maximum(torch.minimum(wg, hi[..., None]), lo[..., None]), scheme) - wg
-            err = torch.bmm(xg, dq.permute(1, 2, 0)).pow_(2).mean(dim=1).T  # [G, n, o] -> [o, G]
+            dq = dq.permute(1, 0, 2)  # [G, o, g]
+            err = (torch.bmm(dq, gram) * dq).sum(dim=-1).T  # [G, o] -> [o, G]
             if best_err is None:
                 best_err = err
                 continue

@@ -33,3 +33,25 @@ def test_clip_search_never_hurts_the_group_error():
     clipped = rtn.quantize_weight(awq.clip_weight(w, bounds, scheme), scheme).dequantize()
     plain = rtn.quantize_weight(w, scheme).dequantize()
     assert (x @ (clipped - w).T).pow(2).mean() <= (x @ (plain - w).T).pow(2).mean()
+
+
+def test_clip_search_picks_each_groups_best_shrink_by_its_error_on_the_samples():
+    """The search scores candidates through each group's Gram matrix; the choice is the brute-force one: per
+    (row, group), the shrink factor whose clipped group has the least error over the sample rows."""
+    from compress.quant import fake_quantize_groups
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(256, 64, generator=g) * torch.linspace(0.2, 3.0, 64)
+    w = torch.randn(8, 64, generator=g) * 0.05
+    w[:, 3] = 0.6
+    scheme = Scheme(4, 32, False)
+    bounds = awq.search_clip(x, w, scheme, grid=10)
+    wg, xg = w.reshape(8, 2, 32), x.reshape(256, 2, 32)
+    lo0, hi0 = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    errs = []
+    for k in range(6):  # shrink factors 1, 0.9, ..., 0.5
+        f = 1 - k / 10
+        dq = fake_quantize_groups(torch.maximum(torch.minimum(wg, hi0[..., None] * f), lo0[..., None] * f), scheme) - wg
+        errs.append(torch.einsum("ngi,ogi->nog", xg, dq).pow(2).mean(0))  # [out, G]
+    best = torch.stack(errs).argmin(0)
+    assert torch.allclose(bounds.hi, hi0 * (1 - best / 10)) and torch.allclose(bounds.lo, lo0 * (1 - best / 10))
