@@ -2,8 +2,9 @@
 
 Requests are pydantic models (FastAPI turns a wrong type into a 422 naming the field); the OpenAI
 sampling fields plus vLLM's extensions (``top_k``, ``min_tokens``, ``ignore_eos``, ``seed``,
-``stop_token_ids``) map onto the engine's ``SamplingParams``. Fields we do not implement are
-accepted only at their no-op value, so a client never silently gets something it did not ask for.
+``stop_token_ids``) map onto the engine's ``SamplingParams``. A field we do not implement is refused
+with 400 naming it (``unknown_fields``), never dropped, so a client never silently gets something it
+did not ask for; the only fields accepted and ignored are the bookkeeping ones in ``IGNORED_FIELDS``.
 """
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 log = logging.getLogger(__name__)
+
+
+# Fields clients send by default that cannot change the output: accepted and ignored (everything else
+# unknown is a 400). ``user``/``stream_options`` are declared on the request models themselves.
+IGNORED_FIELDS = ("metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
+IGNORED_MESSAGE_FIELDS = ("name",)
 
 
 class APIError(Exception):
@@ -66,9 +73,14 @@ class _Sampling(BaseModel):
                 raise ValueError(f"{field}={getattr(self, field)!r} is not supported by this server; leave it at its default")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; lower min_tokens")
-        if self.model_extra:
-            log.warning("ignoring unknown request fields: %s", sorted(self.model_extra))
         return self
+
+    def unknown_fields(self) -> list[str]:
+        """Request fields this server does not implement (the caller answers 400 naming them)."""
+        names = [k for k in (self.model_extra or {}) if k not in IGNORED_FIELDS]
+        for i, m in enumerate(getattr(self, "messages", ())):
+            names += [f"messages[{i}].{k}" for k in (m.model_extra or {}) if k not in IGNORED_MESSAGE_FIELDS]
+        return names
 
     @property
     def include_usage(self) -> bool:

@@ -138,7 +138,12 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         message = "; ".join(f"{f}: {e.get('msg')}" for f, e in zip(fields, errors))
         return JSONResponse(APIError(422, message, param=fields[0] if fields else None).body(), status_code=422)
 
-    def check_model(name: str | None) -> None:
+    def check_request(req) -> None:
+        unknown = req.unknown_fields()
+        if unknown:
+            raise APIError(400, f"request field(s) {', '.join(unknown)} not supported by this server; remove them "
+                           "(a dropped field would change the answer without telling you)", param=unknown[0])
+        name = req.model
         if name and name not in served:
             raise APIError(404, f"model {name!r} is not served here; use {config.model_name!r}", param="model",
                            type="not_found_error")
@@ -223,7 +228,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        check_model(req.model)
+        check_request(req)
         if isinstance(req.prompt, list) and not all(0 <= t < len(engine.tokenizer) for t in req.prompt):
             raise APIError(400, f"prompt token ids must be in [0, {len(engine.tokenizer)})", param="prompt")
         rid = new_id("cmpl")
@@ -238,7 +243,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        check_model(req.model)
+        check_request(req)
         tok = engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")

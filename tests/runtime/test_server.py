@@ -220,6 +220,18 @@ def test_request_errors_name_the_problem(served):
     assert wait_until(lambda: blocks_free(served.engine))
 
 
+def test_unknown_fields_are_refused_not_dropped(served):
+    c = served.client()
+    with pytest.raises(openai.BadRequestError, match="frobnicate"):
+        c.completions.create(model=served.model, prompt="x", max_tokens=2, extra_body={"frobnicate": 1})
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.weird"):
+        c.chat.completions.create(model=served.model, max_tokens=2, messages=[{"role": "user", "content": "x", "weird": 1}])
+    # bookkeeping fields every SDK may send are accepted
+    r = c.chat.completions.create(model=served.model, max_tokens=2, user="u1", metadata={"k": "v"}, store=False,
+                                  messages=[{"role": "user", "content": "x", "name": "ann"}])
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
 async def _stream(http, url, i, drop: bool) -> tuple[str, str | None, int]:
     """One streaming client; ``drop`` ones hang up after three chunks of a long request."""
     body = {"prompt": f"request {i}: the river", "stream": True, "temperature": 0, "ignore_eos": True,
