@@ -139,6 +139,18 @@ class Engine:
         with self._tok_lock:
             return list(self.tokenizer(prompt).input_ids)
 
+    def decode(self, ids: list[int]) -> str:
+        with self._tok_lock:
+            return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
+
+    def token_strings(self, ids) -> dict[int, str]:
+        """Each distinct token id's own text (logprobs name tokens by it)."""
+        uniq = sorted(set(ids))
+        if self.tokenizer is None:
+            return {t: str(t) for t in uniq}
+        with self._tok_lock:
+            return dict(zip(uniq, self.tokenizer.batch_decode([[t] for t in uniq])))
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError for an empty or too long prompt."""

@@ -8,6 +8,7 @@ did not ask for; the only fields accepted and ignored are the bookkeeping ones i
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -15,7 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from runtime.sequence import MAX_LOGPROBS, TokenLogprob
+
 log = logging.getLogger(__name__)
+MAX_N = 16  # choices per request
 
 
 # Fields clients send by default that cannot change the output: accepted and ignored (everything else
@@ -49,29 +53,24 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # vLLM: -1 (or 0) disables
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Any = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[int, float] | None = None  # JSON keys are token-id strings; pydantic turns them into ints
     user: str | None = None
 
     @model_validator(mode="after")
     def _supported(self):
-        unsupported = {
-            "n": self.n != 1, "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0, "logprobs": self.logprobs not in (None, False, 0),
-        }
-        for field, bad in unsupported.items():
-            if bad:
-                raise ValueError(f"{field}={getattr(self, field)!r} is not supported by this server; leave it at its default")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+        if self.max_tokens and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; lower min_tokens")
         return self
 
@@ -91,26 +90,36 @@ class _Sampling(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), max_tokens=max_tokens,
                     min_tokens=self.min_tokens, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-                    ignore_eos=self.ignore_eos, seed=self.seed)
+                    ignore_eos=self.ignore_eos, seed=self.seed, min_p=self.min_p,
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, logit_bias=tuple((self.logit_bias or {}).items()))
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo: score the prompt, generate nothing
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0)  # above MAX_LOGPROBS: a 400 from the route
     suffix: str | None = None
 
     @model_validator(mode="after")
-    def _single_prompt(self):
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError(f"prompt holds {len(p)} prompts; this server takes one prompt per request")
-            self.prompt = p[0]
-        if self.echo or self.suffix:
-            raise ValueError("echo and suffix are not supported by this server; leave them unset")
-        if isinstance(self.prompt, (str, list)) and len(self.prompt) == 0:
+    def _prompts(self):
+        prompts = self.prompts
+        if not self.prompt or any(len(q) == 0 for q in prompts):
             raise ValueError("prompt is empty; send at least one token of text")
+        if len(prompts) * self.n > MAX_N * 8:
+            raise ValueError(f"{len(prompts)} prompts x n={self.n} choices is more than {MAX_N * 8}; split the request")
+        if self.suffix:
+            raise ValueError("suffix (fill-in-the-middle) is not supported by this server; leave it unset")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing; use it with echo=true to score the prompt, else >= 1")
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt (a string or token ids), however the request spelled them."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
 
 class ContentPart(BaseModel):
@@ -133,6 +142,14 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true; set both")
+        return self
 
     def template_messages(self) -> list[dict]:
         """Messages as a chat template expects them (``developer`` is OpenAI's new name for ``system``)."""
@@ -141,6 +158,12 @@ class ChatCompletionRequest(_Sampling):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def check_logprobs(k: int | None, field: str) -> None:
+    if k is not None and k > MAX_LOGPROBS:
+        raise APIError(400, f"{field}={k} is above this server's limit of {MAX_LOGPROBS}; ask for at most "
+                       f"{MAX_LOGPROBS}", param=field)
 
 
 def new_id(prefix: str) -> str:
@@ -152,25 +175,55 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict | None, chunk: bool) -> dict:
+def completion_logprobs(entries: list[TokenLogprob], strings: dict[int, str], offset: int = 0) -> dict:
+    """OpenAI's legacy completions ``logprobs`` object; an entry with ``logprob=None`` is the unscored first
+    prompt token. ``text_offset`` counts characters from ``offset``."""
+    tokens = [strings[e.token_id] for e in entries]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [None if e.logprob is None else {strings[t]: lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def _token_info(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[TokenLogprob], strings: dict[int, str]) -> dict:
+    """OpenAI's chat ``logprobs`` object: per token its logprob, bytes and ``top_logprobs`` alternatives."""
+    return {"content": [{**_token_info(strings[e.token_id], e.logprob),
+                         "top_logprobs": [_token_info(strings[t], lp) for t, lp in e.top]} for e in entries]}
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_body(rid: str, model: str, choices: list[dict], use: dict | None, chunk: bool) -> dict:
     """A /v1/completions response, or one streamed chunk of it."""
-    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices}
     if use is not None or not chunk:
         body["usage"] = use
     return body
 
 
-def chat_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict | None) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
+def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason: str | None,
+                delta: dict | None = None) -> dict:
+    """A chat choice: a whole ``message``, or (``delta`` given) one streamed piece of it."""
+    choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+    if delta is None:
+        return {**choice, "message": {"role": "assistant", "content": content}}
+    return {**choice, "delta": delta}
+
+
+def chat_body(rid: str, model: str, choices: list[dict], use: dict | None) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
             "usage": use}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(rid: str, model: str, choices: list[dict]) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": choices}
 
 
 def usage_chunk(rid: str, model: str, obj: str, use: dict) -> dict:

@@ -10,23 +10,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
-from runtime.engine_loop import EngineLoop, QueueFull
+from runtime import openai_routes as routes
+from runtime.engine_loop import EngineLoop
 from runtime.metrics import ServerMetrics
-from runtime.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body, chat_chunk,
-                                     completion_body, new_id, usage, usage_chunk)
+from runtime.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from runtime.serving import RequestRunner
 
 log = logging.getLogger(__name__)
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 @dataclass(frozen=True)
@@ -66,24 +64,6 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
-class _AbortOnClose(StreamingResponse):
-    """A streaming response that aborts its request however the stream ends (done, error, disconnect)."""
-
-    def __init__(self, content, on_close):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def _sse(body: dict | str) -> str:
-    return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n"
-
-
 def _context_limit(engine) -> int | None:
     """The engine's max_model_len, wherever this engine version keeps it."""
     for holder in (engine, getattr(engine, "config", None)):
@@ -93,18 +73,12 @@ def _context_limit(engine) -> int | None:
     return None
 
 
-def _sampling_params_cls():
-    from runtime.sequence import SamplingParams  # the engine's own; imported late to keep startup light
-
-    return SamplingParams
-
-
 def create_app(engine, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving ``engine``; the engine thread runs for the app's lifespan."""
     metrics = ServerMetrics()
     loop_runner = EngineLoop(engine, max_pending=config.max_num_seqs + config.max_queue, metrics=metrics)
+    runner = RequestRunner(engine, loop_runner)
     served = {config.model_name, Path(config.model_name).name}
-    SamplingParams = _sampling_params_cls()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -148,66 +122,6 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
             raise APIError(404, f"model {name!r} is not served here; use {config.model_name!r}", param="model",
                            type="not_found_error")
 
-    def submit(prompt, kwargs: dict, rid: str, param: str) -> asyncio.Queue:
-        try:
-            params = SamplingParams(**kwargs)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        try:
-            return loop_runner.submit(prompt, params, rid)
-        except QueueFull as e:
-            raise APIError(429, str(e), type="rate_limit_error") from None
-        except ValueError as e:  # e.g. the prompt is longer than max_model_len
-            raise APIError(400, str(e), param=param) from None
-
-    async def next_or_disconnect(rid: str, queue: asyncio.Queue, request: Request):
-        """The next item of ``queue``, checking every half second that the client is still there."""
-        get = asyncio.ensure_future(queue.get())
-        try:
-            while not (await asyncio.wait({get}, timeout=0.5))[0]:
-                if await request.is_disconnected():
-                    loop_runner.abort(rid)
-                    raise APIError(499, "client disconnected")
-            return get.result()
-        finally:
-            get.cancel()  # no-op once done
-
-    async def outputs(rid: str, queue: asyncio.Queue, request: Request | None) -> AsyncIterator:
-        """The request's StepOutputs until it finishes; polls for a vanished client when not streaming."""
-        while True:
-            if request is None:  # streaming: the response itself notices a disconnect and cancels us
-                item = await queue.get()
-            else:
-                item = await next_or_disconnect(rid, queue, request)
-            if isinstance(item, BaseException):
-                raise APIError(500, f"the engine failed: {item}", type="server_error")
-            yield item
-            if item.finished:
-                return
-
-    async def collect(rid: str, queue: asyncio.Queue, request: Request) -> tuple[str, str | None, dict]:
-        text, finish, use = [], None, usage(0, 0)
-        try:
-            async for out in outputs(rid, queue, request):
-                text.append(out.text_delta)
-                finish, use = out.finish_reason, usage(out.prompt_tokens, out.completion_tokens)
-        finally:
-            loop_runner.abort(rid)  # no-op when it finished
-        return "".join(text), finish, use
-
-    async def stream_events(rid: str, queue: asyncio.Queue, chunk_of, obj: str, include_usage: bool):
-        use = usage(0, 0)
-        try:
-            async for out in outputs(rid, queue, None):
-                use = usage(out.prompt_tokens, out.completion_tokens)
-                if out.text_delta or out.finished:
-                    yield _sse(chunk_of(out.text_delta, out.finish_reason if out.finished else None))
-        except APIError as e:
-            yield _sse(e.body())
-        if include_usage:
-            yield _sse(usage_chunk(rid, config.model_name, obj, use))
-        yield _sse("[DONE]")
-
     @app.get("/health")
     async def health():
         if not loop_runner.alive:
@@ -229,46 +143,12 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_request(req)
-        if isinstance(req.prompt, list) and not all(0 <= t < len(engine.tokenizer) for t in req.prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {len(engine.tokenizer)})", param="prompt")
-        rid = new_id("cmpl")
-        queue = submit(req.prompt, req.sampling_kwargs(req.max_tokens or DEFAULT_COMPLETION_TOKENS), rid, "prompt")
-        if req.stream:
-            def chunk_of(text, finish):
-                return completion_body(rid, config.model_name, text, finish, None, chunk=True)
-            events = stream_events(rid, queue, chunk_of, "text_completion", req.include_usage)
-            return _AbortOnClose(events, lambda: loop_runner.abort(rid))
-        text, finish, use = await collect(rid, queue, request)
-        return completion_body(rid, config.model_name, text, finish, use, chunk=False)
+        return await routes.completions(engine, runner, req, request, config.model_name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_request(req)
-        tok = engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        try:
-            text = tok.apply_chat_template(req.template_messages(), add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # jinja raises its own TemplateError for e.g. unsupported role orders
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        ids = tok(text, add_special_tokens=False)["input_ids"]  # the template already placed special tokens
-        max_tokens = req.requested_max_tokens
-        if max_tokens is None:
-            limit = _context_limit(engine)
-            max_tokens = max(1, limit - len(ids)) if limit else 256
-        rid = new_id("chatcmpl")
-        queue = submit(ids, req.sampling_kwargs(max_tokens), rid, "messages")
-        if req.stream:
-            first = [True]
-
-            def chunk_of(text, finish):
-                delta = {"role": "assistant", "content": text} if first[0] else ({"content": text} if text else {})
-                first[0] = False
-                return chat_chunk(rid, config.model_name, delta, finish)
-            events = stream_events(rid, queue, chunk_of, "chat.completion.chunk", req.include_usage)
-            return _AbortOnClose(events, lambda: loop_runner.abort(rid))
-        text, finish, use = await collect(rid, queue, request)
-        return chat_body(rid, config.model_name, text, finish, use)
+        return await routes.chat(engine, runner, req, request, config.model_name)
 
     return app
 

@@ -1,0 +1,171 @@
+"""The two generation endpoints: what a completions or chat request asks of the engine, and the OpenAI response
+(whole, or streamed as server-sent events) built from its choices: text, ``n``, echo and logprobs.
+
+Logprobs are those of the distribution each token was drawn from before truncation: the logits after
+penalties, ``logit_bias`` and any grammar mask, at the request's temperature (1 when greedy); prompt
+logprobs (completions ``echo`` with ``logprobs``) are the model's own, unprocessed. ``max_tokens: 0`` with
+``echo`` scores the prompt and returns no generated text (lm-eval's loglikelihood requests send 1 and drop it).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from runtime.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body, chat_choice,
+                                     chat_chunk, chat_logprobs, check_logprobs, completion_body, completion_choice,
+                                     completion_logprobs, new_id, usage_chunk)
+from runtime.sequence import SamplingParams, TokenLogprob
+from runtime.serving import Choice, RequestRunner, Submitted
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class _AbortOnClose(StreamingResponse):
+    """A streaming response that aborts its request however the stream ends (done, error, disconnect)."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _sse(bodies: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async for body in bodies:
+        yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def sampling_params(req, max_tokens: int, vocab: int, **extra) -> SamplingParams:
+    """The engine's params for ``req``; 400 naming the field for a value the engine refuses."""
+    outside = [t for t in (req.logit_bias or {}) if not 0 <= t < vocab]
+    if outside:
+        raise APIError(400, f"logit_bias names token id {outside[0]}, outside this model's vocabulary [0, {vocab}); "
+                       "remove it", param="logit_bias")
+    try:
+        return SamplingParams(**req.sampling_kwargs(max_tokens), **extra)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+class _CompletionShape:
+    """Builds /v1/completions choices (echo, logprobs, scoring-only) for one submitted request."""
+
+    def __init__(self, engine, req: CompletionRequest, sub: Submitted, model: str, score_only: bool):
+        self.engine, self.req, self.sub, self.model, self.score_only = engine, req, sub, model, score_only
+        prompts = req.prompts
+        self.prompt_text = [p if isinstance(p, str) else engine.decode(p) for p in prompts] if req.echo else None
+
+    def _entries(self, choice: Choice, out=None) -> list[TokenLogprob]:
+        """Logprob entries of ``out`` (or of the whole choice), the echoed prompt's first when it starts."""
+        first = out is None or not choice.emitted
+        generated = [] if self.score_only else (choice.logprobs if out is None else out.logprobs or [])
+        if not (self.req.echo and first):
+            return list(generated)
+        prompt = self.sub.prompt_ids[choice.index // self.sub.n]
+        scored = choice.prompt_logprobs if out is None else out.prompt_logprobs
+        return [TokenLogprob(prompt[0], None, [])] + list(scored or []) + list(generated)
+
+    def _logprobs(self, entries: list[TokenLogprob], offset: int) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        strings = self.engine.token_strings([e.token_id for e in entries] + [t for e in entries for t, _ in e.top])
+        return completion_logprobs(entries, strings, offset)
+
+    def _echo(self, choice: Choice) -> str:
+        return self.prompt_text[choice.index // self.sub.n] if self.req.echo else ""
+
+    def choice(self, c: Choice) -> dict:
+        text = self._echo(c) + ("" if self.score_only else "".join(c.text))
+        return completion_choice(c.index, text, self._logprobs(self._entries(c), 0), c.finish_reason)
+
+    def chunk(self, c: Choice, out) -> dict | None:
+        first = not c.emitted
+        delta = ("" if self.score_only else out.text_delta)
+        offset = 0 if first else len(self._echo(c)) + len("".join(c.text))
+        text = (self._echo(c) if first else "") + delta
+        if not text and not out.finished:
+            return None
+        finish = out.finish_reason if out.finished else None
+        choice = completion_choice(c.index, text, self._logprobs(self._entries(c, out), offset), finish)
+        return completion_body(self.sub.rid, self.model, [choice], None, chunk=True)
+
+
+def _score_only_usage(use: dict) -> dict:
+    return {**use, "completion_tokens": 0, "total_tokens": use["prompt_tokens"]}
+
+
+async def completions(engine, runner: RequestRunner, req: CompletionRequest, request: Request, model: str):
+    prompts, vocab = req.prompts, engine.runner.vocab_size
+    if any(isinstance(p, list) and not all(0 <= t < vocab for t in p) for p in prompts):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
+    k = req.logprobs
+    check_logprobs(k, "logprobs")
+    params = sampling_params(req, max(max_tokens, 1), vocab, logprobs=k, prompt_logprobs=k if req.echo else None)
+    sub = runner.submit(prompts, params, req.n, new_id("cmpl"), "prompt")
+    shape = _CompletionShape(engine, req, sub, model, score_only=max_tokens == 0)
+    if req.stream:
+        def final(use):
+            return usage_chunk(sub.rid, model, "text_completion", _score_only_usage(use) if shape.score_only else use)
+        events = runner.stream(sub, shape.chunk, final if req.include_usage else None)
+        return _AbortOnClose(_sse(events), lambda: runner.abort(sub))
+    choices = await runner.collect(sub, request)
+    use = sub.usage(choices)
+    return completion_body(sub.rid, model, [shape.choice(c) for c in choices],
+                           _score_only_usage(use) if shape.score_only else use, chunk=False)
+
+
+def chat_prompt(engine, req: ChatCompletionRequest) -> list[int]:
+    """The messages through the model's chat template, as token ids."""
+    tok = engine.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
+    try:
+        text = tok.apply_chat_template(req.template_messages(), add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja raises its own TemplateError for e.g. unsupported role orders
+        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    return list(tok(text, add_special_tokens=False)["input_ids"])  # the template already placed special tokens
+
+
+async def chat(engine, runner: RequestRunner, req: ChatCompletionRequest, request: Request, model: str):
+    ids = chat_prompt(engine, req)
+    max_tokens = req.requested_max_tokens
+    if max_tokens is None:
+        limit = getattr(engine, "max_model_len", None)
+        max_tokens = max(1, limit - len(ids)) if isinstance(limit, int) else 256
+    check_logprobs(req.top_logprobs, "top_logprobs")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens, engine.runner.vocab_size, logprobs=top)
+    sub = runner.submit([ids], params, req.n, new_id("chatcmpl"), "messages")
+
+    def logprobs(entries: list[TokenLogprob]) -> dict | None:
+        if top is None:
+            return None
+        return chat_logprobs(entries, engine.token_strings([e.token_id for e in entries] +
+                                                           [t for e in entries for t, _ in e.top]))
+
+    if req.stream:
+        def chunk_of(c: Choice, out) -> dict | None:
+            delta = {"role": "assistant", "content": out.text_delta} if not c.emitted else (
+                {"content": out.text_delta} if out.text_delta else {})
+            if not delta and not out.finished:
+                return None
+            finish = out.finish_reason if out.finished else None
+            choice = chat_choice(c.index, "", logprobs(out.logprobs or []), finish, delta=delta)
+            return chat_chunk(sub.rid, model, [choice])
+
+        def final(use):
+            return usage_chunk(sub.rid, model, "chat.completion.chunk", use)
+        events = runner.stream(sub, chunk_of, final if req.include_usage else None)
+        return _AbortOnClose(_sse(events), lambda: runner.abort(sub))
+    choices = await runner.collect(sub, request)
+    return chat_body(sub.rid, model, [chat_choice(c.index, "".join(c.text), logprobs(c.logprobs), c.finish_reason)
+                                      for c in choices], sub.usage(choices))
