@@ -133,11 +133,11 @@ class Engine:
         return c.max_model_len
 
     # --- requests -----------------------------------------------------------------------------
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(f"model {self.config.model!r} has no tokenizer; pass token ids instead of text")
         with self._tok_lock:
-            return list(self.tokenizer(prompt).input_ids)
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
 
     def decode(self, ids: list[int]) -> str:
         with self._tok_lock:

@@ -43,12 +43,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    """Fields shared by both endpoints."""
+class _Request(BaseModel):
+    """A request body: unknown fields are kept aside so the route can refuse them by name."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+
+    def unknown_fields(self) -> list[str]:
+        """Request fields this server does not implement (the caller answers 400 naming them)."""
+        names = [k for k in (self.model_extra or {}) if k not in IGNORED_FIELDS]
+        for i, m in enumerate(getattr(self, "messages", None) or ()):
+            names += [f"messages[{i}].{k}" for k in (m.model_extra or {}) if k not in IGNORED_MESSAGE_FIELDS]
+        return names
+
+
+class _Sampling(_Request):
+    """Fields shared by both generation endpoints."""
+
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -73,13 +85,6 @@ class _Sampling(BaseModel):
         if self.max_tokens and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; lower min_tokens")
         return self
-
-    def unknown_fields(self) -> list[str]:
-        """Request fields this server does not implement (the caller answers 400 naming them)."""
-        names = [k for k in (self.model_extra or {}) if k not in IGNORED_FIELDS]
-        for i, m in enumerate(getattr(self, "messages", ())):
-            names += [f"messages[{i}].{k}" for k in (m.model_extra or {}) if k not in IGNORED_MESSAGE_FIELDS]
-        return names
 
     @property
     def include_usage(self) -> bool:
@@ -139,6 +144,11 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as a chat template expects them (``developer`` is OpenAI's new name for ``system``)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -152,12 +162,34 @@ class ChatCompletionRequest(_Sampling):
         return self
 
     def template_messages(self) -> list[dict]:
-        """Messages as a chat template expects them (``developer`` is OpenAI's new name for ``system``)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return template_messages(self.messages)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a ``prompt``, or chat ``messages`` rendered by the chat template."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def template_messages(self) -> list[dict]:
+        return template_messages(self.messages or [])
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    tokens: list[int]
 
 
 def check_logprobs(k: int | None, field: str) -> None:

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from runtime.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body, chat_choice,
                                      chat_chunk, chat_logprobs, check_logprobs, completion_body, completion_choice,
-                                     completion_logprobs, new_id, usage_chunk)
+                                     completion_logprobs, new_id, usage_chunk, DetokenizeRequest, TokenizeRequest)
 from runtime.sequence import SamplingParams, TokenLogprob
 from runtime.serving import Choice, RequestRunner, Submitted
 
@@ -123,13 +123,14 @@ async def completions(engine, runner: RequestRunner, req: CompletionRequest, req
                            _score_only_usage(use) if shape.score_only else use, chunk=False)
 
 
-def chat_prompt(engine, req: ChatCompletionRequest) -> list[int]:
+def chat_prompt(engine, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
     """The messages through the model's chat template, as token ids."""
     tok = engine.tokenizer
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
     try:
-        text = tok.apply_chat_template(req.template_messages(), add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(req.template_messages(), tokenize=False,
+                                       add_generation_prompt=getattr(req, "add_generation_prompt", True))
     except Exception as e:  # jinja raises its own TemplateError for e.g. unsupported role orders
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
     return list(tok(text, add_special_tokens=False)["input_ids"])  # the template already placed special tokens
@@ -169,3 +170,33 @@ async def chat(engine, runner: RequestRunner, req: ChatCompletionRequest, reques
     choices = await runner.collect(sub, request)
     return chat_body(sub.rid, model, [chat_choice(c.index, "".join(c.text), logprobs(c.logprobs), c.finish_reason)
                                       for c in choices], sub.usage(choices))
+
+
+def tokenize(engine, req: TokenizeRequest, max_model_len: int | None) -> dict:
+    """vLLM's /tokenize answer."""
+    if engine.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
+    if req.messages is not None:
+        ids = chat_prompt(engine, req)
+    else:
+        ids = engine.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    strs = engine.token_strings(ids) if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+            "token_strs": [strs[t] for t in ids] if strs else None}
+
+
+def detokenize(engine, req: DetokenizeRequest) -> dict:
+    vocab = engine.runner.vocab_size
+    if any(not 0 <= t < vocab for t in req.tokens):
+        raise APIError(400, f"tokens must be ids in [0, {vocab})", param="tokens")
+    return {"prompt": engine.decode(req.tokens)}
+
+
+def tokenizer_info(engine) -> dict:
+    """What lm-eval's remote tokenizer reads (special tokens and the chat template)."""
+    tok = engine.tokenizer
+    if tok is None:
+        raise APIError(404, "this model has no tokenizer", type="not_found_error")
+    return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+            "pad_token": tok.pad_token, "chat_template": getattr(tok, "chat_template", None),
+            "model_max_length": getattr(engine, "max_model_len", None)}

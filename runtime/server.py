@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from runtime import openai_routes as routes
 from runtime.engine_loop import EngineLoop
 from runtime.metrics import ServerMetrics
-from runtime.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from runtime.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest)
 from runtime.serving import RequestRunner
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class ServerConfig:
 
     model_name: str
     api_key: str | None = None
+    served_model_names: tuple[str, ...] = ()  # the names requests may use; default: model_name and its folder name
     max_queue: int = 256  # requests admitted beyond the running batch before answering 429
     max_num_seqs: int = 64
 
@@ -43,6 +45,13 @@ class ServerConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; pass a non-empty key or none")
+        if any(not n or not n.strip() for n in self.served_model_names):
+            raise ValueError(f"served_model_names={self.served_model_names!r} holds an empty name")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Names a request's ``model`` may use; the first is the one responses carry."""
+        return tuple(self.served_model_names) or (self.model_name, Path(self.model_name).name)
 
 
 class _BearerAuth:
@@ -78,7 +87,8 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics()
     loop_runner = EngineLoop(engine, max_pending=config.max_num_seqs + config.max_queue, metrics=metrics)
     runner = RequestRunner(engine, loop_runner)
-    served = {config.model_name, Path(config.model_name).name}
+    names = config.names
+    model = names[0]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -117,10 +127,9 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         if unknown:
             raise APIError(400, f"request field(s) {', '.join(unknown)} not supported by this server; remove them "
                            "(a dropped field would change the answer without telling you)", param=unknown[0])
-        name = req.model
-        if name and name not in served:
-            raise APIError(404, f"model {name!r} is not served here; use {config.model_name!r}", param="model",
-                           type="not_found_error")
+        if req.model and req.model not in names:
+            raise APIError(404, f"model {req.model!r} is not served here; use one of {list(dict.fromkeys(names))}",
+                           param="model", type="not_found_error")
 
     @app.get("/health")
     async def health():
@@ -134,42 +143,69 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "compress"}
         limit = _context_limit(engine)
-        if limit is not None:
-            card["max_model_len"] = limit
-        return {"object": "list", "data": [card]}
+        cards = [{"id": name, "object": "model", "created": 0, "owned_by": "compress", "root": config.model_name,
+                  **({"max_model_len": limit} if limit is not None else {})}
+                 for name in (config.served_model_names or (config.model_name,))]
+        return {"object": "list", "data": cards}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        check_request(req)
+        return routes.tokenize(engine, req, _context_limit(engine))
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_request(req)
+        return routes.detokenize(engine, req)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return routes.tokenizer_info(engine)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_request(req)
-        return await routes.completions(engine, runner, req, request, config.model_name)
+        return await routes.completions(engine, runner, req, request, model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_request(req)
-        return await routes.chat(engine, runner, req, request, config.model_name)
+        return await routes.chat(engine, runner, req, request, model)
 
     return app
 
 
-def serve(model: str, host: str = "127.0.0.1", port: int = 8000, draft: str | None = None, api_key: str | None = None,
-          max_num_seqs: int = 64, max_queue: int = 256, max_model_len: int | None = None, dtype: str = "auto",
-          device: str | None = None, lm_head: str = "auto", kv_cache_dtype: str = "auto", model_impl: str = "auto",
-          trust_remote_code: bool = False) -> None:
-    """Load ``model`` into an Engine and serve it until interrupted (the ``compress serve`` command)."""
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file's text, or the value itself when it is a template (a Jinja template has "{")."""
+    if "{" in value:
+        return value
+    if not Path(value).is_file():
+        raise FileNotFoundError(f"--chat-template {value!r} is neither a file nor a Jinja template; give one")
+    return Path(value).read_text()
+
+
+def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, max_queue: int = 256,
+          served_model_names: tuple[str, ...] = (), chat_template: str | None = None, **engine_options) -> None:
+    """Load ``model`` into an Engine and serve it until interrupted (the ``compress serve`` command).
+
+    ``engine_options`` are EngineConfig fields (max_num_seqs, block_size, kv_cache_memory, ...); ``chat_template``
+    is a Jinja file or the template itself, replacing the tokenizer's own."""
     import torch
     import uvicorn
 
     from runtime.config import EngineConfig
     from runtime.engine import Engine
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = Engine(EngineConfig(model=model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
-                                 device=device, draft=draft, lm_head=lm_head, kv_cache_dtype=kv_cache_dtype,
-                                 model_impl=model_impl, trust_remote_code=trust_remote_code))
+    engine_options.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+    engine = Engine(EngineConfig(model=model, **engine_options))
+    if chat_template is not None:
+        if engine.tokenizer is None:
+            raise ValueError("--chat-template given but the model has no tokenizer")
+        engine.tokenizer.chat_template = read_chat_template(chat_template)
     app = create_app(engine, ServerConfig(model_name=model, api_key=api_key, max_queue=max_queue,
-                                          max_num_seqs=max_num_seqs))
+                                          max_num_seqs=engine.config.max_num_seqs,
+                                          served_model_names=tuple(served_model_names)))
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
