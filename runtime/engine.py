@@ -299,6 +299,8 @@ class Engine:
     def _append(self, seq: Sequence, tok: int, now: float) -> str | None:
         """Add one sampled token; returns the finish reason it causes, if any."""
         seq.token_ids.append(tok)
+        if seq.guide_state is not None:
+            seq.guide_state.advance(tok)
         self.generation_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -332,6 +334,7 @@ class Engine:
         seq.finish_time = time.time()
         self._live.pop(seq.request_id, None)
         self.sampler.release(seq.request_id)
+        seq.guide_state = None  # the grammar matcher goes with the request
         return self._output(seq, finished=True)
 
     # --- offline API --------------------------------------------------------------------------

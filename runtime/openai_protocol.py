@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from runtime.guided import GuideSpec
 from runtime.sequence import MAX_LOGPROBS, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,33 @@ class _Request(BaseModel):
         return names
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's newer spelling of the guided_* fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _Sampling(_Request):
     """Fields shared by both generation endpoints."""
 
@@ -79,6 +107,38 @@ class _Sampling(_Request):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     logit_bias: dict[int, float] | None = None  # JSON keys are token-id strings; pydantic turns them into ints
     user: str | None = None
+    # structured output: OpenAI's response_format, vLLM's guided_* fields or structured_outputs (one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def guide_spec(self) -> tuple[GuideSpec, str] | None:
+        """The output constraint asked for and the field that asked; ValueError when several fields ask."""
+        so, rf = self.structured_outputs, self.response_format
+        asked = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                 "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar,
+                 "structured_outputs.json": so and so.json_, "structured_outputs.regex": so and so.regex,
+                 "structured_outputs.choice": so and so.choice, "structured_outputs.grammar": so and so.grammar,
+                 "response_format": rf if rf is not None and rf.type != "text" else None}
+        given = [k for k, v in asked.items() if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} each constrain the output; send one of them")
+        if not given:
+            return None
+        field, value = given[0], asked[given[0]]
+        if field == "response_format":
+            if value.type == "json_object":
+                return GuideSpec("json_object"), field
+            if value.json_schema is None:
+                raise ValueError("response_format type json_schema needs response_format.json_schema.schema")
+            return GuideSpec.json_schema(value.json_schema.schema_), field
+        kind = field.rsplit(".", 1)[-1].removeprefix("guided_")
+        if kind == "json":
+            return GuideSpec.json_schema(value), field
+        return (GuideSpec.choice(value) if kind == "choice" else GuideSpec(kind, value)), field
 
     @model_validator(mode="after")
     def _supported(self):

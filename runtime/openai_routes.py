@@ -43,6 +43,14 @@ async def _sse(bodies: AsyncIterator[dict]) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+async def guide_for(runner: RequestRunner, req):
+    try:
+        asked = req.guide_spec()
+    except ValueError as e:
+        raise APIError(400, str(e), param="response_format") from None
+    return await runner.compile_guide(asked)
+
+
 def sampling_params(req, max_tokens: int, vocab: int, **extra) -> SamplingParams:
     """The engine's params for ``req``; 400 naming the field for a value the engine refuses."""
     outside = [t for t in (req.logit_bias or {}) if not 0 <= t < vocab]
@@ -109,7 +117,8 @@ async def completions(engine, runner: RequestRunner, req: CompletionRequest, req
     max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
     k = req.logprobs
     check_logprobs(k, "logprobs")
-    params = sampling_params(req, max(max_tokens, 1), vocab, logprobs=k, prompt_logprobs=k if req.echo else None)
+    params = sampling_params(req, max(max_tokens, 1), vocab, logprobs=k, prompt_logprobs=k if req.echo else None,
+                             guide=await guide_for(runner, req))
     sub = runner.submit(prompts, params, req.n, new_id("cmpl"), "prompt")
     shape = _CompletionShape(engine, req, sub, model, score_only=max_tokens == 0)
     if req.stream:
@@ -144,7 +153,7 @@ async def chat(engine, runner: RequestRunner, req: ChatCompletionRequest, reques
         max_tokens = max(1, limit - len(ids)) if isinstance(limit, int) else 256
     check_logprobs(req.top_logprobs, "top_logprobs")
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, engine.runner.vocab_size, logprobs=top)
+    params = sampling_params(req, max_tokens, engine.runner.vocab_size, logprobs=top, guide=await guide_for(runner, req))
     sub = runner.submit([ids], params, req.n, new_id("chatcmpl"), "messages")
 
     def logprobs(entries: list[TokenLogprob]) -> dict | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from runtime import guided
 from runtime.sequence import SamplingParams, Sequence, TokenLogprob
 
 __all__ = ["Sampler", "SamplingParams", "token_logprobs"]
@@ -56,7 +57,7 @@ class Sampler:
         """
         for i, (seq, off) in enumerate(zip(seqs, offsets)):
             p = seq.params
-            if p.min_tokens and seq.num_completion_tokens + off < p.min_tokens:
+            if p.min_tokens and seq.num_completion_tokens + off < p.min_tokens and p.guide is None:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned = [t for t in banned if t < logits.shape[1]]
                 if banned:
@@ -70,6 +71,8 @@ class Sampler:
             if seq.params.logit_bias:
                 ids, bias = zip(*seq.params.logit_bias)
                 logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype)
+        if any(s.params.guide is not None for s in seqs):  # last: a grammar's mask overrides every bias
+            guided.apply(logits, seqs)
 
     @staticmethod
     def penalize(logits: Tensor, seqs: list[Sequence]) -> None:

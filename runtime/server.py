@@ -93,6 +93,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         loop_runner.start(asyncio.get_running_loop())
+        runner.warm()
         try:
             yield
         finally:

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from runtime.engine_loop import EngineLoop, QueueFull
+from runtime.guided import Guide, Guides, GuideSpec
 from runtime.openai_protocol import APIError, usage
 from runtime.sequence import SamplingParams, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +64,40 @@ class RequestRunner:
 
     def __init__(self, engine, loop_runner: EngineLoop):
         self.engine, self.loop = engine, loop_runner
+        self._guides: Guides | None = None
+        self._guides_lock = threading.Lock()
+
+    def guides(self) -> Guides:
+        """The grammar compiler for the engine's tokenizer, built once (a few seconds: it reads the vocabulary)."""
+        with self._guides_lock:
+            if self._guides is None:
+                e = self.engine
+                self._guides = Guides(e.tokenizer, e.runner.vocab_size, e.eos_token_ids)
+            return self._guides
+
+    def warm(self) -> None:
+        """Build the grammar compiler in the background, so the first guided request only compiles its grammar."""
+        def build():
+            try:
+                self.guides()
+            except Exception:  # xgrammar missing or the tokenizer unreadable: guided requests will say so
+                log.warning("structured output is unavailable", exc_info=True)
+        if self.engine.tokenizer is not None:
+            threading.Thread(target=build, name="guides-warmup", daemon=True).start()
+
+    async def compile_guide(self, asked: tuple[GuideSpec, str] | None) -> Guide | None:
+        """The compiled grammar of a request's output constraint, off the event loop; 400 if it does not compile."""
+        if asked is None:
+            return None
+        spec, field = asked
+        if self.engine.tokenizer is None:
+            raise APIError(400, f"{field} needs the model's tokenizer, and this model has none", param=field)
+        try:
+            return await asyncio.to_thread(lambda: self.guides().compile(spec))
+        except ImportError:
+            raise APIError(400, f"{field} needs the grammar engine; pip install xgrammar", param=field) from None
+        except ValueError as e:
+            raise APIError(400, f"{field}: {e}; fix it or drop the field", param=field) from None
 
     def submit(self, prompts: list, params: SamplingParams, n: int, rid: str, param: str) -> Submitted:
         """Queue ``n`` choices of each prompt; 429 when the server is full, 400 for a prompt it cannot take."""
