@@ -366,7 +366,10 @@ def generate_cmd(model_spec, prompt, max_new_tokens, dtype, kv_cache_dtype):
               "prefilled in chunks [default: 2048].")
 @click.option("--num-speculative-tokens", type=int, default=None, help="Drafted tokens per step with --draft [default: 4].")
 @click.option("--seed", type=int, default=None, help="Seed of the sampling of requests without their own seed.")
-def serve(model_spec, host, port, api_key, max_queue, served_model_names, chat_template, kv_cache_memory, **engine):
+@click.option("--tool-call-parser", default="hermes", show_default=True, type=click.Choice(["hermes", "llama3_json"]),
+              help="How the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5/3, Hermes) or llama3_json.")
+def serve(model_spec, host, port, api_key, max_queue, served_model_names, chat_template, kv_cache_memory,
+          tool_call_parser, **engine):
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     from compress.memory import parse_size
     from runtime.server import serve as run_server
@@ -374,7 +377,7 @@ def serve(model_spec, host, port, api_key, max_queue, served_model_names, chat_t
     if kv_cache_memory is not None:
         engine["kv_cache_memory"] = parse_size(kv_cache_memory)
     run_server(model_spec, host=host, port=port, api_key=api_key, max_queue=max_queue,
-               served_model_names=served_model_names, chat_template=chat_template,
+               served_model_names=served_model_names, chat_template=chat_template, tool_call_parser=tool_call_parser,
                **{k: v for k, v in engine.items() if v is not None})
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tagged_json")  # tagged: begin + schema + end
 
 
 @dataclass(frozen=True)
@@ -170,4 +170,18 @@ class Guides:
         if spec.kind == "choice":
             options = json.loads(spec.source)
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+        if spec.kind == "tagged_json":
+            return c.compile_grammar(_tagged_json(json.loads(spec.source)))
         return c.compile_grammar(spec.source)
+
+
+def _tagged_json(source: dict):
+    """``begin`` + a compact JSON value of ``schema`` + ``end`` (the shape of a tool call)."""
+    import xgrammar as xgr
+
+    parts = [xgr.Grammar.from_json_schema(json.dumps(source["schema"]), any_whitespace=False)]
+    if source["begin"]:
+        parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(source['begin'])}"))
+    if source["end"]:
+        parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(source['end'])}"))
+    return xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]

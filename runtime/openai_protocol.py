@@ -9,6 +9,7 @@ did not ask for; the only fields accepted and ignored are the bookkeeping ones i
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -25,7 +26,7 @@ MAX_N = 16  # choices per request
 
 # Fields clients send by default that cannot change the output: accepted and ignored (everything else
 # unknown is a 400). ``user``/``stream_options`` are declared on the request models themselves.
-IGNORED_FIELDS = ("metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
+IGNORED_FIELDS = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 IGNORED_MESSAGE_FIELDS = ("name",)
 
 
@@ -192,11 +193,64 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        """Chat templates (Qwen, Hermes, Llama 3) expect the arguments as an object, not JSON text."""
+        try:
+            args = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            args = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: dict[str, str]  # {"name": ...}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (``developer`` is OpenAI's new name for ``system``)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if "name" in (self.model_extra or {}):
+            out["name"] = self.model_extra["name"]
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -205,8 +259,7 @@ class ChatMessage(BaseModel):
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as a chat template expects them (``developer`` is OpenAI's new name for ``system``)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    return [m.for_template() for m in messages]
 
 
 class ChatCompletionRequest(_Sampling):
@@ -214,6 +267,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    @property
+    def tools_active(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def named_tool(self) -> str | None:
+        return self.tool_choice.function.get("name") if isinstance(self.tool_choice, NamedToolChoice) else None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -299,13 +366,14 @@ def completion_body(rid: str, model: str, choices: list[dict], use: dict | None,
     return body
 
 
-def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason: str | None,
-                delta: dict | None = None) -> dict:
+def chat_choice(index: int, content: str | None, logprobs: dict | None, finish_reason: str | None,
+                delta: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     """A chat choice: a whole ``message``, or (``delta`` given) one streamed piece of it."""
     choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
-    if delta is None:
-        return {**choice, "message": {"role": "assistant", "content": content}}
-    return {**choice, "delta": delta}
+    if delta is not None:
+        return {**choice, "delta": delta}
+    message = {"role": "assistant", "content": content}
+    return {**choice, "message": {**message, "tool_calls": tool_calls} if tool_calls else message}
 
 
 def chat_body(rid: str, model: str, choices: list[dict], use: dict | None) -> dict:

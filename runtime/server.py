@@ -24,6 +24,7 @@ from runtime.metrics import ServerMetrics
 from runtime.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest)
 from runtime.serving import RequestRunner
+from runtime.tool_calls import FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class ServerConfig:
     model_name: str
     api_key: str | None = None
     served_model_names: tuple[str, ...] = ()  # the names requests may use; default: model_name and its folder name
+    tool_call_parser: str = "hermes"  # how the model writes tool calls: a runtime/tool_calls.py FORMATS name
     max_queue: int = 256  # requests admitted beyond the running batch before answering 429
     max_num_seqs: int = 64
 
@@ -45,6 +47,8 @@ class ServerConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; pass a non-empty key or none")
+        if self.tool_call_parser not in FORMATS:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is unknown; use one of {sorted(FORMATS)}")
         if any(not n or not n.strip() for n in self.served_model_names):
             raise ValueError(f"served_model_names={self.served_model_names!r} holds an empty name")
 
@@ -172,7 +176,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_request(req)
-        return await routes.chat(engine, runner, req, request, model)
+        return await routes.chat(engine, runner, req, request, model, FORMATS[config.tool_call_parser])
 
     return app
 
@@ -187,7 +191,8 @@ def read_chat_template(value: str) -> str:
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, max_queue: int = 256,
-          served_model_names: tuple[str, ...] = (), chat_template: str | None = None, **engine_options) -> None:
+          served_model_names: tuple[str, ...] = (), chat_template: str | None = None, tool_call_parser: str = "hermes",
+          **engine_options) -> None:
     """Load ``model`` into an Engine and serve it until interrupted (the ``compress serve`` command).
 
     ``engine_options`` are EngineConfig fields (max_num_seqs, block_size, kv_cache_memory, ...); ``chat_template``
@@ -206,7 +211,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         engine.tokenizer.chat_template = read_chat_template(chat_template)
     app = create_app(engine, ServerConfig(model_name=model, api_key=api_key, max_queue=max_queue,
                                           max_num_seqs=engine.config.max_num_seqs,
-                                          served_model_names=tuple(served_model_names)))
+                                          served_model_names=tuple(served_model_names),
+                                          tool_call_parser=tool_call_parser))
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

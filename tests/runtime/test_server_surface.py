@@ -64,7 +64,7 @@ def test_serve_command_passes_engine_knobs(monkeypatch, tmp_path):
         "num_speculative_tokens": 3, "seed": 7, "draft": "ngram"}
     from runtime.config import EngineConfig
     EngineConfig(model="m", **{k: v for k, v in seen.items() if k not in (
-        "model", "host", "port", "api_key", "max_queue", "served_model_names", "chat_template")})
+        "model", "host", "port", "api_key", "max_queue", "served_model_names", "chat_template", "tool_call_parser")})
 
 
 def test_chat_template_option(tmp_path):
