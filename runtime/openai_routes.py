@@ -73,16 +73,18 @@ class _CompletionShape:
         self.engine, self.req, self.sub, self.model, self.score_only = engine, req, sub, model, score_only
         prompts = req.prompts
         self.prompt_text = [p if isinstance(p, str) else engine.decode(p) for p in prompts] if req.echo else None
+        self.scored: dict[int, list[TokenLogprob]] = {}  # prompt -> its logprobs (only its first choice scores it)
 
-    def _entries(self, choice: Choice, out=None) -> list[TokenLogprob]:
-        """Logprob entries of ``out`` (or of the whole choice), the echoed prompt's first when it starts."""
-        first = out is None or not choice.emitted
-        generated = [] if self.score_only else (choice.logprobs if out is None else out.logprobs or [])
+    def _entries(self, c: Choice, generated: list[TokenLogprob], first: bool) -> list[TokenLogprob]:
+        """Logprob entries: the generated ones, after the echoed prompt's when the choice starts."""
+        generated = [] if self.score_only else list(generated)
         if not (self.req.echo and first):
-            return list(generated)
-        prompt = self.sub.prompt_ids[choice.index // self.sub.n]
-        scored = choice.prompt_logprobs if out is None else out.prompt_logprobs
-        return [TokenLogprob(prompt[0], None, [])] + list(scored or []) + list(generated)
+            return generated
+        i = c.index // self.sub.n
+        if c.prompt_logprobs is not None:
+            self.scored[i] = c.prompt_logprobs
+        prompt = self.sub.prompt_ids[i]
+        return [TokenLogprob(prompt[0], None, [])] + list(self.scored.get(i, [])) + generated
 
     def _logprobs(self, entries: list[TokenLogprob], offset: int) -> dict | None:
         if self.req.logprobs is None:
@@ -95,17 +97,17 @@ class _CompletionShape:
 
     def choice(self, c: Choice) -> dict:
         text = self._echo(c) + ("" if self.score_only else "".join(c.text))
-        return completion_choice(c.index, text, self._logprobs(self._entries(c), 0), c.finish_reason)
+        return completion_choice(c.index, text, self._logprobs(self._entries(c, c.logprobs, True), 0), c.finish_reason)
 
     def chunk(self, c: Choice, out) -> dict | None:
         first = not c.emitted
-        delta = ("" if self.score_only else out.text_delta)
-        offset = 0 if first else len(self._echo(c)) + len("".join(c.text))
-        text = (self._echo(c) if first else "") + delta
+        text = (self._echo(c) if first else "") + ("" if self.score_only else c.unsent_text())
         if not text and not out.finished:
             return None
+        offset = 0 if first else len(self._echo(c)) + c.sent_chars
         finish = out.finish_reason if out.finished else None
-        choice = completion_choice(c.index, text, self._logprobs(self._entries(c, out), offset), finish)
+        choice = completion_choice(c.index, text, self._logprobs(self._entries(c, c.unsent_logprobs(), first), offset),
+                                   finish)
         return completion_body(self.sub.rid, self.model, [choice], None, chunk=True)
 
 
@@ -208,12 +210,12 @@ async def chat(engine, runner: RequestRunner, req: ChatCompletionRequest, reques
                              lambda: runner.abort(sub))
     if req.stream:
         def chunk_of(c: Choice, out) -> dict | None:
-            delta = {"role": "assistant", "content": out.text_delta} if not c.emitted else (
-                {"content": out.text_delta} if out.text_delta else {})
+            text = c.unsent_text()
+            delta = {"role": "assistant", "content": text} if not c.emitted else ({"content": text} if text else {})
             if not delta and not out.finished:
                 return None
             finish = out.finish_reason if out.finished else None
-            choice = chat_choice(c.index, "", logprobs(out.logprobs or []), finish, delta=delta)
+            choice = chat_choice(c.index, "", logprobs(c.unsent_logprobs()), finish, delta=delta)
             return chat_chunk(sub.rid, model, [choice])
         events = runner.stream(sub, chunk_of, final if req.include_usage else None)
         return _AbortOnClose(_sse(events), lambda: runner.abort(sub))

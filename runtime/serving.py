@@ -35,6 +35,17 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     emitted: bool = False  # a streamed chunk of it has gone out
+    sent_chars: int = 0  # text and logprobs already streamed (an output can add nothing sendable: half a character)
+    sent_logprobs: int = 0
+
+    def unsent_text(self) -> str:
+        return "".join(self.text)[self.sent_chars:]
+
+    def unsent_logprobs(self) -> list[TokenLogprob]:
+        return self.logprobs[self.sent_logprobs:]
+
+    def mark_sent(self) -> None:
+        self.emitted, self.sent_chars, self.sent_logprobs = True, len("".join(self.text)), len(self.logprobs)
 
 
 @dataclass
@@ -157,14 +168,15 @@ class RequestRunner:
         return choices
 
     async def stream(self, sub: Submitted, chunk_of: Callable, usage_chunk: Callable | None) -> AsyncIterator[dict]:
-        """Stream bodies: ``chunk_of(choice, out)`` per output (None to skip), then the usage chunk if asked."""
+        """Stream bodies: ``chunk_of(choice, out)`` after each output (None to send nothing yet: what the choice
+        has not sent goes with its next chunk), then the usage chunk if asked."""
         choices = [Choice(i) for i in range(len(sub.index))]
         try:
             async for i, out in self.outputs(sub, None):
-                body = chunk_of(choices[i], out)
                 add(choices[i], out)
+                body = chunk_of(choices[i], out)
                 if body is not None:
-                    choices[i].emitted = True
+                    choices[i].mark_sent()
                     yield body
         except APIError as e:
             yield e.body()

@@ -119,3 +119,15 @@ def test_lm_eval_local_completions_scores_the_server(served, hf, model_dir):  # 
         c, w = tok(ctx)["input_ids"], tok(cont)["input_ids"]
         ref = log_softmax(model, c + w)
         assert ll == pytest.approx(sum(ref[len(c) - 1 + i, t].item() for i, t in enumerate(w)), abs=1e-3)
+
+
+def test_echo_with_n_scores_the_prompt_for_every_choice(served):
+    c = served.client()
+    kw = dict(model=served.model, prompt="The cat", max_tokens=3, echo=True, logprobs=1, n=2, temperature=1.0, seed=4)
+    r = c.completions.create(**kw)
+    first, second = (ch.logprobs for ch in sorted(r.choices, key=lambda ch: ch.index))
+    assert first.token_logprobs[:7] == second.token_logprobs[:7] and first.token_logprobs[1] is not None
+    chunks = list(c.completions.create(stream=True, **kw))
+    for i in (0, 1):
+        got = [lp for ch in chunks if ch.choices[0].index == i for lp in ch.choices[0].logprobs.token_logprobs]
+        assert got[:7] == first.token_logprobs[:7] and len(got) == 10
