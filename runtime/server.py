@@ -88,7 +88,7 @@ def _context_limit(engine) -> int | None:
 
 def create_app(engine, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving ``engine``; the engine thread runs for the app's lifespan."""
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(model_name=config.names[0])
     loop_runner = EngineLoop(engine, max_pending=config.max_num_seqs + config.max_queue, metrics=metrics)
     runner = RequestRunner(engine, loop_runner)
     names = config.names

@@ -75,3 +75,18 @@ def test_chat_template_option(tmp_path):
     assert read_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{%")
     with pytest.raises(FileNotFoundError, match="chat-template"):
         read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_vllm_metric_names(served):
+    served.client().completions.create(model="tiny", prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
+    text = httpx.get(served.url + "/metrics").text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    label = '{model_name="tiny"}'
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_count", "vllm:prompt_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:prefix_cache_queries_total"):
+        assert name + label in samples, name
+    assert float(samples["vllm:generation_tokens_total" + label]) >= 3
+    assert float(samples['vllm:request_success_total{finished_reason="length",model_name="tiny"}']) >= 1
+    assert "# TYPE vllm:e2e_request_latency_seconds histogram" in text
+    assert "compress_generation_tokens_total" in samples  # ours stay beside them
