@@ -17,7 +17,8 @@ from fastapi import Request
 
 from runtime.engine_loop import EngineLoop, QueueFull
 from runtime.guided import Guide, Guides, GuideSpec
-from runtime.openai_protocol import APIError, usage
+from runtime.openai_protocol import APIError
+from runtime.openai_responses import usage
 from runtime.sequence import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)

@@ -124,6 +124,10 @@ def test_json_object_regex_and_choice(served):
     r = c.completions.create(model="tiny", prompt="answer:", max_tokens=20, n=4, temperature=1.0, seed=3,
                              extra_body={"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}})
     assert {ch.text for ch in r.choices} <= {"alpha", "beta", "gamma"}
+    ebnf = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    r = c.completions.create(model="tiny", prompt="sum:", max_tokens=40, temperature=1.0, seed=4,
+                             extra_body={"guided_grammar": ebnf})
+    assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", r.choices[0].text), r.choices[0].text
 
 
 def test_bad_requests_and_length(served):
