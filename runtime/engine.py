@@ -380,7 +380,8 @@ class Engine:
                     fill[bid] = max(fill.get(bid, 0), used)
             spec = self.speculator
             return {
-                "running": len(sched.running), "waiting": len(sched.waiting) + len(self._inbox),
+                "running": len(sched.running),
+                "waiting": len(sched.waiting) + len(self._inbox) + sum(map(len, self._forks.values())),
                 "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks, "block_size": bm.block_size,
                 "token_slots_allocated": bm.num_used_blocks * bm.block_size,
                 "token_slots_used": sum(fill.values()),

@@ -1,12 +1,14 @@
 """Structured output: a request's JSON schema, JSON object, regex, choice or EBNF grammar compiled to a token
 automaton that masks the logits of its sequence at every step.
 
-The grammar engine is xgrammar (maintained, on PyPI with CPU wheels). Measured on this machine (AMD EPYC,
-one thread, SmolLM2's 49,152-token vocabulary, a nested schema with enums, bounded integers, a pattern and
-``additionalProperties: false``, 300 masks of random walks): xgrammar fills a mask in 40 us on average
-(p99 93 us) after compiling the schema in ~50 ms; llguidance 1.9.1 in 189 us (p99 731 us, the first masks of a
-grammar up to 25 ms while it builds its lexer lazily) after ~1 ms. At one token per 10-30 ms on CPU, xgrammar's
-cost is negligible and steady; llguidance's first-token stalls are not. Both read the HF tokenizer as it is.
+The grammar engine is xgrammar (maintained, on PyPI with CPU wheels). Measured on this machine (AMD EPYC, a
+shared 2-core VM, one thread, SmolLM2's 49,152-token vocabulary, a nested schema with enums, bounded integers and
+``additionalProperties: false``, ~300 masks of random walks; ``scripts/bench/guided.py mask``, three runs):
+xgrammar fills a mask in 30-48 us on average (p99 69-127 us, slowest 0.2 ms); llguidance 1.9.1 in 111-232 us
+(p99 0.65-8.3 ms, slowest 1.3-25 ms: it builds lexer states lazily on the first tokens of a grammar). At 10-80 ms
+per decode step on CPU both are small, but xgrammar's is steady and several times lower; both read the HF
+tokenizer as it is. xgrammar's own CPU ``apply_token_bitmask_inplace`` takes ~600 us per 49k-wide row, so the
+bits are unpacked with numpy here instead (~5 us).
 
 Flow: the server turns a request into a ``GuideSpec`` and compiles it (``Guides.compile``: a 400 for an invalid
 schema, before any work; compiled grammars are cached by a hash of the spec and the tokenizer). The compiled
