@@ -363,14 +363,30 @@ def generate_cmd(model_spec, prompt, max_new_tokens, dtype, kv_cache_dtype):
               help="auto: the runtime's native model where the family has one (fast), else transformers' own modeling "
               "code on the engine's paged KV cache (slower); or force one.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
-def serve(model_spec, host, port, draft, api_key, max_num_seqs, max_queue, max_model_len, dtype, lm_head,
-          kv_cache_dtype, model_impl, trust_remote_code):
+@click.option("--served-model-name", "served_model_names", multiple=True,
+              help="A name requests use for the model (repeat for aliases); /v1/models lists them [default: MODEL].")
+@click.option("--chat-template", default=None, help="A Jinja chat template file, or the template itself.")
+@click.option("--kv-cache-memory", default=None, help="Bytes for the paged KV cache, e.g. 2GiB [default: 1GiB].")
+@click.option("--block-size", type=int, default=None, help="Tokens per KV block [default: 16].")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
+              help="Share the KV blocks of common prompt prefixes [default: on].")
+@click.option("--max-num-batched-tokens", type=int, default=None, help="Tokens per forward; longer prompts are "
+              "prefilled in chunks [default: 2048].")
+@click.option("--num-speculative-tokens", type=int, default=None, help="Drafted tokens per step with --draft [default: 4].")
+@click.option("--seed", type=int, default=None, help="Seed of the sampling of requests without their own seed.")
+@click.option("--tool-call-parser", default="hermes", show_default=True, type=click.Choice(["hermes", "llama3_json"]),
+              help="How the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5/3, Hermes) or llama3_json.")
+def serve(model_spec, host, port, api_key, max_queue, served_model_names, chat_template, kv_cache_memory,
+          tool_call_parser, **engine):
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
+    from compress.memory import parse_size
     from runtime.server import serve as run_server
 
-    run_server(model_spec, host=host, port=port, draft=draft, api_key=api_key, max_num_seqs=max_num_seqs,
-               max_queue=max_queue, max_model_len=max_model_len, dtype=dtype, lm_head=lm_head,
-               kv_cache_dtype=kv_cache_dtype, model_impl=model_impl, trust_remote_code=trust_remote_code)
+    if kv_cache_memory is not None:
+        engine["kv_cache_memory"] = parse_size(kv_cache_memory)
+    run_server(model_spec, host=host, port=port, api_key=api_key, max_queue=max_queue,
+               served_model_names=served_model_names, chat_template=chat_template, tool_call_parser=tool_call_parser,
+               **{k: v for k, v in engine.items() if v is not None})
 
 
 def _levels(value: str) -> tuple[int, ...]:

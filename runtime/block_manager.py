@@ -70,7 +70,7 @@ class BlockManager:
 
     def _match(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of ``seq``; the last token is always left to compute."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # scoring computes every position
             return []
         bs, matched = self.block_size, []
         for i, h in enumerate(self._hashes(seq, (seq.num_tokens - 1) // bs)):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from torch import Tensor
 
 from runtime import detokenizer
 from runtime.block_manager import BlockManager
@@ -23,9 +24,9 @@ from runtime.cpu import resolve_dtype
 from runtime.model_runner import ForwardItem, ModelRunner, kv_bytes_per_block
 from runtime.models.dispatch import RuntimeConfig, model_config
 from runtime.models.loader import open_checkpoint
-from runtime.sampler import Sampler
+from runtime.sampler import Sampler, token_logprobs
 from runtime.scheduler import ScheduledSeq, Scheduler
-from runtime.sequence import SamplingParams, Sequence, SequenceStatus
+from runtime.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob
 from runtime.speculative import NgramProposer, SpeculativeDecoder
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class StepOutput:
     completion_tokens: int
     first_token_time: float | None
     arrival_time: float
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # in the request's first output, when it asked
 
 
 @dataclass
@@ -104,6 +107,7 @@ class Engine:
         self._lock = threading.Lock()  # guards the scheduler state against stats()/add_request readers
         self._tok_lock = threading.Lock()  # a HF tokenizer must not encode and decode in two threads at once
         self._live: dict[str, Sequence] = {}
+        self._forks: dict[Sequence, list[Sequence]] = {}  # choices waiting for their first choice's prompt KV
         self._ids = itertools.count()
         self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
         log.info("engine: %d KV blocks of %d tokens (%s), max_model_len=%d, quantized linears: %s, lm_head: %s",
@@ -129,15 +133,57 @@ class Engine:
         return c.max_model_len
 
     # --- requests -----------------------------------------------------------------------------
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(f"model {self.config.model!r} has no tokenizer; pass token ids instead of text")
         with self._tok_lock:
-            return list(self.tokenizer(prompt).input_ids)
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+
+    def decode(self, ids: list[int]) -> str:
+        with self._tok_lock:
+            return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
+
+    def token_strings(self, ids) -> dict[int, str]:
+        """Each distinct token id's own text (logprobs name tokens by it)."""
+        uniq = sorted(set(ids))
+        if self.tokenizer is None:
+            return {t: str(t) for t in uniq}
+        with self._tok_lock:
+            return dict(zip(uniq, self.tokenizer.batch_decode([[t] for t in uniq])))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError for an empty or too long prompt."""
+        return self.add_choices(prompt, [params or SamplingParams()], [request_id])[0]
+
+    def add_choices(self, prompt: str | list[int], params: list[SamplingParams], request_ids: list) -> list[str]:
+        """Queue several choices of one prompt (OpenAI's ``n``). The first prefills the prompt; the others wait
+        until its full blocks are in the prefix cache and share them (ref counts) instead of recomputing them."""
+        ids = self._prompt_ids(prompt)
+        with self._lock:
+            seqs = [self._new_seq(ids, p, rid) for p, rid in zip(params, request_ids)]
+            self._inbox.append(("add", seqs[0]))
+            if len(seqs) > 1:
+                self._forks[seqs[0]] = seqs[1:]
+        return [seq.request_id for seq in seqs]
+
+    def _new_seq(self, ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
+        request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
+        if request_id in self._live:
+            raise ValueError(f"request_id={request_id!r} is already in use; pick another")
+        seq = Sequence(request_id, list(ids), params, arrival_time=time.time())
+        detokenizer.init_offsets(seq)
+        self._live[request_id] = seq
+        return seq
+
+    def _release_forks(self) -> None:
+        """Queue the waiting choices whose first choice has its prompt's KV computed (or is gone)."""
+        for first, rest in list(self._forks.items()):
+            if first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens:
+                del self._forks[first]
+                self._inbox.extend(("add", seq) for seq in rest)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         vocab = self.runner.vocab_size
         if not ids:
@@ -147,33 +193,26 @@ class Engine:
         if len(ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}; "
                              "shorten it or raise max_model_len (and kv_cache_memory)")
-        with self._lock:
-            request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
-            if request_id in self._live:
-                raise ValueError(f"request_id={request_id!r} is already in use; pick another")
-            seq = Sequence(request_id, ids, params or SamplingParams(), arrival_time=time.time())
-            detokenizer.init_offsets(seq)
-            self._live[request_id] = seq
-            self._inbox.append(("add", seq))
-        return request_id
+        return ids
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the start of the next step, which reports it."""
         self._inbox.append(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        return bool(self._inbox) or self.scheduler.has_unfinished()
+        return bool(self._inbox or self._forks) or self.scheduler.has_unfinished()
 
     # --- the loop -----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one iteration of continuous batching; returns what each touched request gained."""
         with self._lock:
+            self._release_forks()
             outputs = self._drain_inbox()
             batch = self.scheduler.schedule()
         if not batch:
             return outputs
         with torch.inference_mode():
-            if self.speculator is not None:
+            if self.speculator is not None and not any(self._scores_prompt(s) for s in batch):
                 new_tokens = self.speculator.execute(batch, self.block_manager)
             else:
                 new_tokens = self._execute(batch)
@@ -198,16 +237,44 @@ class Engine:
                 outputs.append(self._retire(seq))
         return outputs
 
+    @staticmethod
+    def _scores_prompt(s: ScheduledSeq) -> bool:
+        """``s``'s chunk predicts prompt tokens whose logprobs the request asked for."""
+        return s.seq.params.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens - 1
+
+    def _num_logits(self, s: ScheduledSeq) -> int:
+        """Logit rows the forward returns for ``s``: every position of a prompt chunk that is scored."""
+        return s.num_new_tokens if self._scores_prompt(s) else int(s.completes)
+
+    @staticmethod
+    def _record_prompt_logprobs(s: ScheduledSeq, logits: Tensor) -> None:
+        """Log-probabilities of the prompt tokens this chunk predicts (``logits``: one row per chunk position)."""
+        seq = s.seq
+        positions = range(max(len(seq.prompt_logprobs), s.start), min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1))
+        if len(positions):
+            lp = logits[[p - s.start for p in positions]].float().log_softmax(-1)
+            targets = [seq.token_ids[p + 1] for p in positions]
+            seq.prompt_logprobs += token_logprobs(lp, targets, seq.params.prompt_logprobs)
+
     def _execute(self, batch: list[ScheduledSeq]) -> dict[Sequence, list[int]]:
         """Plain decoding: one forward, one token for each sequence whose chunk reached its end."""
         items = [ForwardItem(s.seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.seq.block_table,
-                             int(s.completes)) for s in batch]
+                             self._num_logits(s)) for s in batch]
         logits = self.runner.forward(items)
-        for s in batch:
+        rows, end = [], 0
+        for s, item in zip(batch, items):
             s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            if self._scores_prompt(s):
+                self._record_prompt_logprobs(s, logits[end:end + item.num_logits])
+            end += item.num_logits
+            if s.completes:
+                rows.append(end - 1)
         done = [s.seq for s in batch if s.completes]
-        self.sampler.suppress_stops(logits, done, [0] * len(done))
-        return {seq: [tok] for seq, tok in zip(done, self.sampler.sample(logits, done))}
+        logits = logits[rows] if len(rows) < end else logits
+        self.sampler.process(logits, done, [0] * len(done))
+        tokens = self.sampler.sample(logits, done)
+        self.sampler.record_logprobs(logits, done, tokens)
+        return dict(zip(done, ([t] for t in tokens)))
 
     def _postprocess(self, batch: list[ScheduledSeq], new_tokens: dict[Sequence, list[int]]) -> list[StepOutput]:
         outputs, now = [], time.time()
@@ -232,6 +299,8 @@ class Engine:
     def _append(self, seq: Sequence, tok: int, now: float) -> str | None:
         """Add one sampled token; returns the finish reason it causes, if any."""
         seq.token_ids.append(tok)
+        if seq.guide_state is not None:
+            seq.guide_state.advance(tok)
         self.generation_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -252,15 +321,20 @@ class Engine:
         return None
 
     def _output(self, seq: Sequence, finished: bool) -> StepOutput:
-        new = seq.completion_token_ids[seq.num_emitted_tokens:]
+        first, p = seq.num_emitted_tokens, seq.params
+        new = seq.completion_token_ids[first:]
         seq.num_emitted_tokens = seq.num_completion_tokens
+        logprobs = seq.logprobs[first:seq.num_emitted_tokens] if p.logprobs is not None else None
+        prompt_logprobs = seq.prompt_logprobs if p.prompt_logprobs is not None and first == 0 else None
         return StepOutput(seq.request_id, new, detokenizer.pending_text(seq, finished), finished, seq.finish_reason,
-                          seq.num_prompt_tokens, seq.num_completion_tokens, seq.first_token_time, seq.arrival_time)
+                          seq.num_prompt_tokens, seq.num_completion_tokens, seq.first_token_time, seq.arrival_time,
+                          logprobs, prompt_logprobs)
 
     def _retire(self, seq: Sequence) -> StepOutput:
         seq.finish_time = time.time()
         self._live.pop(seq.request_id, None)
         self.sampler.release(seq.request_id)
+        seq.guide_state = None  # the grammar matcher goes with the request
         return self._output(seq, finished=True)
 
     # --- offline API --------------------------------------------------------------------------
@@ -306,7 +380,8 @@ class Engine:
                     fill[bid] = max(fill.get(bid, 0), used)
             spec = self.speculator
             return {
-                "running": len(sched.running), "waiting": len(sched.waiting) + len(self._inbox),
+                "running": len(sched.running),
+                "waiting": len(sched.waiting) + len(self._inbox) + sum(map(len, self._forks.values())),
                 "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks, "block_size": bm.block_size,
                 "token_slots_allocated": bm.num_used_blocks * bm.block_size,
                 "token_slots_used": sum(fill.values()),

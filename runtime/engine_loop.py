@@ -70,16 +70,22 @@ class EngineLoop:
         return len(self._pending)
 
     # --- called on the event loop -----------------------------------------------------------------
-    def submit(self, prompt: str | list[int], params, request_id: str) -> asyncio.Queue:
-        """Queue a request; its outputs (``StepOutput``s, or an exception) arrive on the returned queue."""
-        if len(self._pending) >= self.max_pending:
+    def submit(self, prompt: str | list[int], params, request_id: str | list[str],
+               queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queue a request (or, with lists of params and ids, choices of one prompt sharing its KV); their
+        outputs (``StepOutput``s, or an exception) arrive on the returned queue (``queue`` when given)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        plist = params if isinstance(params, list) else [params]
+        if len(self._pending) + len(ids) > self.max_pending:
             raise QueueFull(f"{len(self._pending)} requests are pending (limit {self.max_pending}); retry later")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._pending[request_id] = _Pending(queue, time.time())
+        queue = queue if queue is not None else asyncio.Queue()
+        now = time.time()
+        self._pending.update((rid, _Pending(queue, now)) for rid in ids)
         try:
-            self.engine.add_request(prompt, params, request_id=request_id)
+            self.engine.add_choices(prompt, plist, ids)
         except BaseException:
-            del self._pending[request_id]
+            for rid in ids:
+                del self._pending[rid]
             raise
         self._wake.set()
         return queue

@@ -1,4 +1,5 @@
-"""Serving metrics: TTFT/TPOT histograms, token and request counters, Prometheus text rendering.
+"""Serving metrics: TTFT/TPOT histograms, token and request counters, Prometheus text rendering; with a
+model name, the same measurements again under vLLM's ``vllm:`` names so its dashboards work unchanged.
 
 Written by hand (the text exposition format is a few lines) so the server needs no extra package.
 Format reference: https://prometheus.io/docs/instrumenting/exposition_formats/ (version 0.0.4).
@@ -60,15 +61,17 @@ class Histogram:
         with self._lock:
             return self._sum
 
-    def render(self) -> list[str]:
+    def render(self, name: str | None = None, labels: dict | None = None) -> list[str]:
+        """The histogram's lines, under ``name`` (default its own) with extra constant ``labels``."""
+        name, labels = name or self.name, labels or {}
         with self._lock:
             counts, total = list(self._counts), self._sum
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
         cum = 0
         for bound, c in zip(self.buckets + (math.inf,), counts):
             cum += c
-            lines.append(f"{self.name}_bucket{_labels({'le': _fmt(bound)})} {cum}")
-        lines += [f"{self.name}_sum {_fmt(total)}", f"{self.name}_count {cum}"]
+            lines.append(f"{name}_bucket{_labels({**labels, 'le': _fmt(bound)})} {cum}")
+        lines += [f"{name}_sum{_labels(labels)} {_fmt(total)}", f"{name}_count{_labels(labels)} {cum}"]
         return lines
 
 
@@ -92,16 +95,19 @@ class Counter:
         with self._lock:
             return self._values.get(tuple(sorted(labels.items())), 0.0)
 
-    def render(self) -> list[str]:
+    def render(self, name: str | None = None, labels: dict | None = None, rename: dict | None = None) -> list[str]:
+        """The counter's lines, under ``name`` with extra ``labels`` and its own label keys ``rename``d."""
+        name, labels, rename = name or self.name, labels or {}, rename or {}
         with self._lock:
             items = sorted(self._values.items()) or [((), 0.0)]
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        return lines + [f"{self.name}{_labels(dict(k))} {_fmt(v)}" for k, v in items]
+        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} counter"]
+        return lines + [f"{name}{_labels({**labels, **{rename.get(a, a): b for a, b in k}})} {_fmt(v)}"
+                        for k, v in items]
 
 
-def gauge_lines(name: str, help: str, value: float) -> list[str]:
+def gauge_lines(name: str, help: str, value: float, labels: dict | None = None, kind: str = "gauge") -> list[str]:
     """A gauge is read fresh at scrape time, so it needs no state: just its lines."""
-    return [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name} {_fmt(value)}"]
+    return [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name}{_labels(labels or {})} {_fmt(value)}"]
 
 
 @dataclass(frozen=True)
@@ -130,8 +136,9 @@ class RequestTiming:
 class ServerMetrics:
     """Everything /metrics exposes; the gauges come from ``engine.stats()`` at scrape time."""
 
-    def __init__(self, prefix: str = PREFIX):
+    def __init__(self, prefix: str = PREFIX, model_name: str | None = None):
         p = prefix
+        self.model_name = model_name  # set: the vLLM-named copies (``vllm:...``) are rendered too
         self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Time from request arrival to its first output token.", TTFT_BUCKETS)
         self.tpot = Histogram(f"{p}_time_per_output_token_seconds", "Mean time per output token after the first, per request.", TPOT_BUCKETS)
         self.e2e = Histogram(f"{p}_e2e_request_latency_seconds", "Time from request arrival to its last token.", E2E_BUCKETS)
@@ -158,7 +165,39 @@ class ServerMetrics:
             lines += m.render()
         for name, help, value in engine_gauges(stats or {}):
             lines += gauge_lines(f"{self.prefix}_{name}", help, value)
+        if self.model_name is not None:
+            lines += self._vllm_lines(stats or {})
         return "\n".join(lines) + "\n"
+
+    def _vllm_lines(self, stats: dict) -> list[str]:
+        """The same measurements under the names vLLM's Grafana dashboards query, labelled with ``model_name``."""
+        labels = {"model_name": self.model_name}
+        lines = []
+        for metric, name in ((self.ttft, "vllm:time_to_first_token_seconds"),
+                             (self.tpot, "vllm:time_per_output_token_seconds"),
+                             (self.e2e, "vllm:e2e_request_latency_seconds")):
+            lines += metric.render(name, labels)
+        lines += self.prompt_tokens.render("vllm:prompt_tokens_total", labels)
+        lines += self.generation_tokens.render("vllm:generation_tokens_total", labels)
+        lines += self.requests.render("vllm:request_success_total", labels, rename={"finish_reason": "finished_reason"})
+        gauges = {g[0]: g for g in engine_gauges(stats)}
+        for ours, name in VLLM_GAUGES:
+            lines += gauge_lines(name, gauges[ours][1], gauges[ours][2], labels)
+        for key, name, help in VLLM_COUNTERS:
+            lines += gauge_lines(name, help, _get(stats, key), labels, kind="counter")
+        return lines
+
+
+# vLLM's names for our gauges, and for engine totals it exports as counters (docs: vLLM "Production Metrics")
+VLLM_GAUGES = (("num_requests_running", "vllm:num_requests_running"),
+               ("num_requests_waiting", "vllm:num_requests_waiting"),
+               ("kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
+               ("kv_cache_usage_ratio", "vllm:gpu_cache_usage_perc"))  # the name dashboards before vLLM v1 read
+VLLM_COUNTERS = (("num_preemptions", "vllm:num_preemptions_total", "Sequences preempted (recomputed later)."),
+                 ("prefix_cache_queried_tokens", "vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
+                 ("prefix_cache_hit_tokens", "vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+                 ("spec_drafted", "vllm:spec_decode_num_draft_tokens_total", "Draft tokens proposed."),
+                 ("spec_accepted", "vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted."))
 
 
 def _get(stats: dict, *keys: str, default: float = 0.0) -> float:

@@ -1,12 +1,32 @@
-"""Token selection: greedy, temperature, top-k, top-p, per-request seeds, and min_tokens masking."""
+"""Token selection: greedy, temperature, top-k, top-p, min-p, per-request seeds; logit processing
+(min_tokens masking, presence/frequency/repetition penalties, logit bias) and logprobs, per row."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from runtime.sequence import SamplingParams, Sequence
+from runtime import guided
+from runtime.sequence import SamplingParams, Sequence, TokenLogprob
 
-__all__ = ["Sampler", "SamplingParams"]
+__all__ = ["Sampler", "SamplingParams", "token_logprobs"]
+LOGPROB_FLOOR = -9999.0  # stands for -inf (a masked token), which JSON cannot carry
+
+
+def token_logprobs(logprobs: Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """Each row's ``targets[i]`` log-probability and its top ``k`` alternatives (``logprobs: [rows, V]``)."""
+    chosen = logprobs.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
+    vals, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    vals = vals.clamp(min=LOGPROB_FLOOR)
+    return [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(targets, chosen.tolist(), ids.tolist(), vals.tolist())]
+
+
+def _counts(token_lists: list[list[int]], vocab: int) -> Tensor:
+    """``[rows, vocab]`` occurrences of each token id in each list."""
+    width = max(1, max(len(t) for t in token_lists))
+    idx = torch.full((len(token_lists), width), vocab, dtype=torch.long)  # column ``vocab`` collects the padding
+    for r, toks in enumerate(token_lists):
+        idx[r, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+    return torch.zeros(len(token_lists), vocab + 1).scatter_add_(1, idx, torch.ones(idx.shape))[:, :vocab]
 
 
 class Sampler:
@@ -37,11 +57,50 @@ class Sampler:
         """
         for i, (seq, off) in enumerate(zip(seqs, offsets)):
             p = seq.params
-            if p.min_tokens and seq.num_completion_tokens + off < p.min_tokens:
+            if p.min_tokens and seq.num_completion_tokens + off < p.min_tokens and p.guide is None:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned = [t for t in banned if t < logits.shape[1]]
                 if banned:
                     logits[i, banned] = float("-inf")
+
+    def process(self, logits: Tensor, seqs: list[Sequence], offsets: list[int]) -> None:
+        """Every per-request change to the logit rows before sampling (in place); ``offsets`` as in suppress_stops."""
+        self.suppress_stops(logits, seqs, offsets)
+        self.penalize(logits, seqs)
+        for i, seq in enumerate(seqs):
+            if seq.params.logit_bias:
+                ids, bias = zip(*seq.params.logit_bias)
+                logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype)
+        if any(s.params.guide is not None for s in seqs):  # last: a grammar's mask overrides every bias
+            guided.apply(logits, seqs)
+
+    @staticmethod
+    def penalize(logits: Tensor, seqs: list[Sequence]) -> None:
+        """Presence/frequency penalties on generated tokens, repetition penalty on every token seen (in place)."""
+        rows = [i for i, s in enumerate(seqs) if s.params.penalized]
+        if not rows:
+            return
+        vocab, params = logits.shape[1], [seqs[i].params for i in rows]
+        x = logits[rows].float()
+        out = _counts([seqs[i].completion_token_ids for i in rows], vocab)
+        seen = _counts([seqs[i].token_ids for i in rows], vocab) > 0
+        rep = torch.tensor([p.repetition_penalty for p in params])[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params])[:, None]
+        logits[rows] = (x - freq * out - presence * (out > 0)).to(logits.dtype)
+
+    @staticmethod
+    def record_logprobs(logits: Tensor, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Append each asking row's sampled token's logprob (processed logits at its temperature) to its sequence."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not rows:
+            return
+        temps = torch.tensor([seqs[i].params.temperature or 1.0 for i in rows])[:, None]
+        lp = (logits[rows].float() / temps).log_softmax(-1)
+        k = max(seqs[i].params.logprobs for i in rows)
+        for i, entry in zip(rows, token_logprobs(lp, [tokens[i] for i in rows], k)):
+            seqs[i].logprobs.append(entry._replace(top=entry.top[:seqs[i].params.logprobs]))
 
     @staticmethod
     def probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
@@ -63,6 +122,10 @@ class Sampler:
             sorted_x = sorted_x.masked_fill(before >= torch.tensor(top_p)[:, None], float("-inf"))
             x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
         out = x.softmax(-1)
+        min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params])[:, None]
+        if bool((min_p > 0).any()):
+            out = out.masked_fill(out < min_p * out.max(-1, keepdim=True).values, 0.0)
+            out = out / out.sum(-1, keepdim=True)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:
             rows = torch.tensor(greedy)

@@ -3,8 +3,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 FINISH_REASONS = ("stop", "length", "abort")
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's limit)
+
+
+class TokenLogprob(NamedTuple):
+    """One token's log-probability and the ``top`` alternatives ``[(token_id, logprob), ...]``."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(frozen=True)
@@ -14,7 +24,14 @@ class SamplingParams:
     ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` switch those filters off;
     ``min_tokens`` suppresses EOS and ``stop_token_ids`` until that many tokens exist;
     ``stop`` strings end generation and are cut from the text; ``seed`` makes one request's
-    sampling reproducible independently of the others.
+    sampling reproducible independently of the others (whatever else shares its batch).
+    Penalties follow OpenAI/vLLM: ``presence_penalty``/``frequency_penalty`` subtract from the logits of
+    tokens already generated (once / per occurrence), ``repetition_penalty`` divides positive (multiplies
+    negative) logits of tokens in the prompt or output; ``logit_bias`` adds ``(token_id, bias)`` pairs;
+    ``min_p`` drops tokens below ``min_p`` times the top probability. ``logprobs=k`` records each generated
+    token's log-probability and the top ``k`` (0: the token only); ``prompt_logprobs=k`` the same for the
+    prompt tokens (such a request skips the prefix cache: every prompt position must be computed).
+    ``guide`` is a compiled grammar handle (runtime/guided.py) constraining every token.
     """
 
     temperature: float = 0.0
@@ -26,6 +43,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    guide: Any = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,10 +71,34 @@ class SamplingParams:
             raise ValueError(f"stop={self.stop!r} must hold non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids} must be non-negative token ids")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items()))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)")
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias={dict(self.logit_bias)} biases must be in [-100, 100]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1] (0 disables it)")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name}={k} must be in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def plain_only(self) -> bool:
+        """Needs every token verified alone (penalties, bias, logprobs, a grammar): no speculative drafts."""
+        return bool(self.penalized or self.logit_bias or self.logprobs is not None or self.prompt_logprobs is not None
+                    or self.guide is not None)
 
 
 class SequenceStatus(enum.Enum):
@@ -84,6 +133,10 @@ class Sequence:
     prefix_offset: int = 0  # offsets into detok_ids() for incremental decoding
     read_offset: int = 0
     num_emitted_tokens: int = 0  # completion tokens already streamed
+    # logprobs (when the params ask): one per completion token, and one per prompt token after the first
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    guide_state: Any = None  # the request's grammar matcher (runtime/guided.py), advanced per accepted token
 
     def __post_init__(self):
         if not self.num_prompt_tokens:

@@ -88,7 +88,7 @@ class SpeculativeDecoder:
     def _num_drafts(self, s: ScheduledSeq) -> int:
         seq, p = s.seq, s.seq.params
         room = min(p.max_tokens - seq.num_completion_tokens, self.max_model_len - seq.num_tokens) - 1
-        return max(0, min(s.lookahead, room)) if s.completes else 0
+        return max(0, min(s.lookahead, room)) if s.completes and not p.plain_only else 0
 
     def _draft_tokens(self, logits: Tensor, seqs: list[Sequence]) -> tuple[list[int], Tensor | None]:
         """One draft token per row, plus the draft distribution rows (None when all are greedy)."""
@@ -148,12 +148,14 @@ class SpeculativeDecoder:
             d = drafts.get(seq, [])
             lg = logits[row:row + 1 + len(d)]
             row += 1 + len(d)
-            self.sampler.suppress_stops(lg, [seq] * (1 + len(d)), list(range(1 + len(d))))
+            self.sampler.process(lg, [seq] * (1 + len(d)), list(range(1 + len(d))))
             if seq.params.greedy:
                 tokens = accept_greedy(lg.argmax(-1).tolist(), d)
             else:
                 p = self.sampler.probs(lg, [seq.params] * (1 + len(d)))
                 tokens = accept_rejection(p, d, q.get(seq), self.sampler.generator_for(seq))
+            if not d:  # a plain_only request (penalties, logprobs, a grammar) never has drafts
+                self.sampler.record_logprobs(lg, [seq], tokens)
             self.drafted += len(d)
             self.accepted += len(tokens) - 1
             seq.num_computed_tokens += len(tokens) - 1  # the accepted drafts' KV stays

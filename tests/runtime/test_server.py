@@ -215,9 +215,21 @@ def test_request_errors_name_the_problem(served):
         c.completions.create(model="gpt-5", prompt="x", max_tokens=2)
     r = httpx.post(served.url + "/v1/completions", content=b'{"prompt": "x",', headers={**h, "Content-Type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    r = httpx.post(served.url + "/v1/completions", json={"prompt": "x", "n": 3}, headers=h)
-    assert r.status_code == 422 and "n=3" in r.json()["error"]["message"]
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": "x", "n": 99}, headers=h)
+    assert r.status_code == 422 and "n:" in r.json()["error"]["message"]
     assert wait_until(lambda: blocks_free(served.engine))
+
+
+def test_unknown_fields_are_refused_not_dropped(served):
+    c = served.client()
+    with pytest.raises(openai.BadRequestError, match="frobnicate"):
+        c.completions.create(model=served.model, prompt="x", max_tokens=2, extra_body={"frobnicate": 1})
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.weird"):
+        c.chat.completions.create(model=served.model, max_tokens=2, messages=[{"role": "user", "content": "x", "weird": 1}])
+    # bookkeeping fields every SDK may send are accepted
+    r = c.chat.completions.create(model=served.model, max_tokens=2, user="u1", metadata={"k": "v"}, store=False,
+                                  messages=[{"role": "user", "content": "x", "name": "ann"}])
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 async def _stream(http, url, i, drop: bool) -> tuple[str, str | None, int]:
