@@ -20,7 +20,8 @@ from compress.quant import Scheme, compute_qparams, pack, quantize
 # per row symmetric int8 (llama.cpp's Q8_0 width, and what the runtime's int8 packed kernel takes); int4 in groups of
 # 32 with zero points (Q4_1's grid); the same as the runtime's load-time head rounding (runtime/kernels/qmatmul.py)
 OUTER_SCHEMES = {"int8": Scheme(bits=8, group_size=-1, sym=True), "int4": Scheme(bits=4, group_size=32, sym=False)}
-SLAB_ROWS = 4096  # rows quantized per step on the in-memory path
+SLAB_ROWS = 4096  # rows handed over per step on the in-memory path
+CHUNK_VALUES = 1 << 20  # values quantized at once: their temporaries (int64 codes while packing) take ~40 bytes each
 
 
 def outer_scheme(choice: str, group_size: int = 0, sym: bool | None = None) -> Scheme | None:
@@ -65,16 +66,18 @@ def quantize_table(slabs: Iterable[Tensor], rows: int, cols: int, scheme: Scheme
                    embed_scale: float | None = None) -> QuantEmbedding:
     """RTN of a ``[rows, cols]`` table given as consecutive row slabs (any float dtype), into packed codes."""
     table = QuantEmbedding(rows, cols, scheme, embed_scale=embed_scale)
+    step = max(1, CHUNK_VALUES // cols)
     start = 0
     for slab in slabs:
-        w = slab.float()  # [n, cols]: one slab's fp32 values, never the whole table's
-        stop = start + w.shape[0]
-        scale, zero = compute_qparams(w, scheme)
-        table.qweight[start:stop] = pack(quantize(w, scale, zero, scheme), scheme.bits)
-        table.scales[start:stop] = scale
-        if zero is not None:
-            table.qzeros[start:stop] = zero
-        start = stop
+        for part in slab.split(step):  # packing widens codes to int64: a chunk's temporaries stay ~40 MB
+            w = part.float()  # [n, cols]
+            stop = start + w.shape[0]
+            scale, zero = compute_qparams(w, scheme)
+            table.qweight[start:stop] = pack(quantize(w, scale, zero, scheme), scheme.bits)
+            table.scales[start:stop] = scale
+            if zero is not None:
+                table.qzeros[start:stop] = zero
+            start = stop
     assert start == rows, f"slabs covered {start} of {rows} rows"
     return table
 

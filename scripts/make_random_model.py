@@ -7,6 +7,7 @@ even the 8B shape (about 16 GB) is written in well under 1 GB of memory.
     python scripts/make_random_model.py --shape 8b --out out/random-8b
     python scripts/make_random_model.py --shape 1.5b --out out/random-1.5b
     python scripts/make_random_model.py --shape 8b --layers 4 --out out/random-8b-4l   # the 8B block, fewer of them
+    python scripts/make_random_model.py --shape 270m --out out/random-270m   # 262,144-token tied embedding
 """
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SHAPES = {  # Llama 3 8B, and a Qwen2-1.5B-sized Llama
+SHAPES = {  # Llama 3 8B, a Qwen2-1.5B-sized Llama, and the large-vocabulary small shapes of issue 32 (a 270M model's
+    # 262,144 x 640 tied table on 18 blocks, a 0.5B model's 151,936 x 896 on 24)
+    "270m": dict(hidden_size=640, num_hidden_layers=18, intermediate_size=2048, num_attention_heads=4,
+                 num_key_value_heads=1, vocab_size=262144, tie_word_embeddings=True, rope_theta=1000000.0),
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0),
     "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12,
