@@ -2,7 +2,9 @@
 and GGUF files (dequantized once by ``compress.models`` and cached as safetensors).
 
 Quantized linears are rebuilt as ``compress.qlinear.QuantLinear`` straight from their integers
-(``config.json`` ``quantization_config.modules`` names each one); nothing is dequantized here. q/k/v
+(``config.json`` ``quantization_config.modules`` names each one); nothing is dequantized here. A quantized
+embedding (``quantization_config.embed``) becomes a ``QuantEmbedding`` that dequantizes only the rows a forward
+looks up; a tied quantized head (``quantization_config.head.tied``) is a QuantLinear over the embedding's buffers. q/k/v
 and gate/up are fused into one linear each when their formats allow (plain weights, or identical
 quantization schemes without act-order), by concatenating output rows; otherwise they run side by side.
 
