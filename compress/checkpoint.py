@@ -7,13 +7,24 @@ Layout of a folder written by ``compress quantize``:
   "modules": {linear name: {"bits", "group_size", "sym", "format", "act_order"}},
   "ignore": [fp linears], "ragged": {linear name: last group width}, "calibration": {...}}``, and for
   mixture-of-experts models ``"moe": {experts module: {scheme, "num_experts", shapes, "rtn_fallback"}}``
-  (packed experts, see compress/moe_packed.py; routers stay fp).
+  (packed experts, see compress/moe_packed.py; routers stay fp), and ``"embed"``/``"head"`` (below).
   Every quantized linear is listed in ``modules``: per-layer exceptions are explicit, nothing is
   inferred from names or shapes.
 - ``model.safetensors`` (or, from a streamed run, one shard per decoder block plus one for the rest,
   listed by ``model.safetensors.index.json``): fp tensors for everything else and, per quantized
   linear, ``qweight``/``scales``/``qzeros``/``g_idx`` as documented in compress/qlinear.py.
 - tokenizer files and ``generation_config.json``.
+
+The input embedding and the LM head (compress/embed_head.py):
+- ``"embed": {"name": "model.embed_tokens", "bits", "group_size", "sym", "format"} | null``. A quantized
+  embedding ``E`` is stored exactly like a QuantLinear with ``out = vocab``, ``in = hidden``: ``E.qweight`` int32
+  ``[vocab, ceil(hidden / (32 // bits))]`` packed along hidden, ``E.scales`` fp16 ``[vocab, n_groups]``,
+  ``E.qzeros`` uint8 (asymmetric only); no ``E.weight``. It is not listed in ``modules`` (those are linears).
+- ``"head": {"name": "lm_head", "tied": bool, "method": "rtn", "bits", "group_size", "sym", "format"} | null``.
+  An untied quantized head is a QuantLinear under ``lm_head.*`` and is listed in ``modules`` as any linear; a tied
+  model with a quantized embedding stores one tensor set, under the embedding's name, and no ``lm_head`` tensors:
+  its head (``"tied": true``) reads the embedding's codes.
+- Tensors that stay unquantized outside the blocks keep the source's dtype (bfloat16 for a GGUF source).
 """
 from __future__ import annotations
 
@@ -27,7 +38,7 @@ import torch
 from torch import nn
 
 from compress.moe_packed import PackedMoEExperts
-from compress.qlinear import QuantLinear
+from compress.qlinear import QuantEmbedding, QuantLinear
 from compress.quant import Scheme
 
 FORMAT_VERSION = 1
@@ -74,7 +85,8 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def quantized_modules(model: nn.Module) -> dict[str, QuantLinear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    """The quantized linears (a tied head, which reads the embedding's codes, is not one of its own)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear) and not getattr(m, "tied", False)}
 
 
 def module_entry(m: QuantLinear) -> dict:
@@ -88,12 +100,13 @@ def build_quantization_config(model: nn.Module, method: str, scheme: Scheme, act
     ragged = {n: m.in_features % m.scheme.group(m.in_features) for n, m in qmods.items()
               if m.in_features % m.scheme.group(m.in_features)}
     moe = moe_entries(model)  # packed MoE experts (compress/moe_packed.py), listed only when present
+    from compress.embed_head import outer_entries
     return {
         "quant_method": "compress", "version": FORMAT_VERSION, "packing": PACKING, "method": method,
         **scheme.to_dict(), "act_order": act_order,
         "modules": {n: module_entry(m) for n, m in qmods.items()},
         "ignore": ignore, "ragged": ragged, "calibration": calibration or {}, **({"moe": moe} if moe else {}),
-        **(extra or {}),
+        **outer_entries(model), **(extra or {}),
     }
 
 
@@ -199,6 +212,7 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_r
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     swap_in_quant_linears(model, qc["modules"], dtype)
+    tied_head = swap_in_quant_embedding(model, qc, dtype)
     if qc.get("moe"):
         swap_in_packed_experts(model, qc["moe"])
     from compress.shards import shard_files
@@ -213,6 +227,21 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_r
     if set(missing) - tied or unexpected:
         raise ValueError(f"{path}'s weights do not match its config: missing {sorted(set(missing) - tied)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
-    if tied:
+    if tied_head:
+        set_module(model, tied_head, model.get_input_embeddings().as_linear())
+    elif tied:
         model.tie_weights()
     return model.eval()
+
+
+def swap_in_quant_embedding(model: nn.Module, qc: dict, dtype: torch.dtype) -> str | None:
+    """Replace the input embedding by an empty :class:`QuantEmbedding` when ``qc["embed"]`` records one; returns
+    the head's name when the head is tied to it (set once the codes are loaded)."""
+    entry = qc.get("embed")
+    if not entry:
+        return None
+    emb = model.get_submodule(entry["name"])
+    set_module(model, entry["name"], QuantEmbedding(emb.num_embeddings, emb.embedding_dim, scheme_of(entry), dtype,
+                                                    embed_scale=getattr(emb, "scalar_embed_scale", None)))
+    head = qc.get("head") or {}
+    return head["name"] if head.get("tied") else None

@@ -22,6 +22,8 @@ TRAIN_DTYPES = ("bfloat16", "float32")
 KV_INITS = ("mean", "pca")  # compress/gqa.py
 UPTRAIN_SCOPES = ("blocks", "attn")  # compress/gqa.py: uptraining moves whole decoder blocks, or attention only
 ROTATIONS = ("none", "hadamard")  # compress/rotate.py: a randomized Hadamard folded into the weights
+# the input embedding and the LM head (compress/embed_head.py): kept as they are, or RTN codes of this width
+OUTER_CHOICES = ("none", "int8", "int4")
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
@@ -156,6 +158,15 @@ class QuantizeConfig:
     uptrain_scope: str = "blocks"  # what uptraining moves: whole decoder "blocks" or "attn" (attention) only
     # moe: an expert routed fewer calibration tokens than this is RTN-quantized (None: compress.moe default)
     moe_min_tokens: int | None = None
+    # the input embedding and the LM head, by RTN (compress/embed_head.py): none (kept in the source's dtype), int8
+    # (per row, symmetric: llama.cpp's Q8_0 width) or int4 (groups of 32, asymmetric); a group size of 0 and a sym of
+    # None take the choice's own; on a tied model both name one tensor: set either, or both alike
+    embed: str = "none"
+    head: str = "none"
+    embed_group_size: int = 0
+    head_group_size: int = 0
+    embed_sym: bool | None = None
+    head_sym: bool | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -170,6 +181,7 @@ class QuantizeConfig:
             raise ValueError(f"rotate={self.rotate!r} is unknown; use one of {ROTATIONS}")
         self._validate_rounding()
         self._validate_training()
+        self._validate_outer()
         object.__setattr__(self, "ignore", tuple(self.ignore))
 
     def _validate_rounding(self) -> None:
@@ -217,6 +229,25 @@ class QuantizeConfig:
             raise ValueError(f"uptrain_scope={self.uptrain_scope!r} is unknown; use one of {UPTRAIN_SCOPES}")
         if self.moe_min_tokens is not None and self.moe_min_tokens < 1:
             raise ValueError(f"moe_min_tokens={self.moe_min_tokens} must be >= 1")
+
+    def _validate_outer(self) -> None:
+        for part in ("embed", "head"):
+            choice, group, sym = (getattr(self, f"{part}{s}") for s in ("", "_group_size", "_sym"))
+            if choice not in OUTER_CHOICES:
+                raise ValueError(f"{part}={choice!r} is unknown; use one of {OUTER_CHOICES}")
+            if sym is not None and not isinstance(sym, bool):
+                raise ValueError(f"{part}_sym={sym!r} must be true or false (or left out for the {part} choice's own)")
+            if choice == "none" and (group or sym is not None):
+                raise ValueError(f"{part}_group_size/{part}_sym shape a quantized {part}, but {part} is none; "
+                                 f"set {part}: int8 or int4, or remove them")
+            if group:
+                self.outer_scheme(part)  # validates the group size
+
+    def outer_scheme(self, part: str) -> Scheme | None:
+        """The RTN scheme of ``part`` ("embed" or "head"), or None when it stays full width."""
+        from compress.embed_head import outer_scheme
+
+        return outer_scheme(getattr(self, part), getattr(self, f"{part}_group_size"), getattr(self, f"{part}_sym"))
 
     @property
     def scheme(self) -> Scheme:

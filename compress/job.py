@@ -14,6 +14,7 @@ from pathlib import Path
 
 from compress.config import QuantizeConfig
 from compress.calibrate import BlockStore
+from compress.embed_head import plan_outer
 from compress.memory import check, plan_offload
 from compress.pipeline import Progress, QuantizeReport, TrainProgress, quantize_model
 
@@ -114,6 +115,17 @@ def preflight(src, cfg: QuantizeConfig, trust_remote_code: bool) -> None:
         start_token(AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code))
 
 
+def check_outer(src, cfg: QuantizeConfig, trust_remote_code: bool) -> None:
+    """Refuse, before any weight is read, ``embed``/``head`` schemes that a tied model cannot take (one tensor)."""
+    if cfg.embed == "none" and cfg.head == "none":
+        return
+    from compress.models import source_config
+
+    config = source_config(src, trust_remote_code)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    plan_outer(cfg, bool(getattr(text, "tie_word_embeddings", False)))
+
+
 def stream_folder(src, trust_remote_code: bool) -> Path:
     """The safetensors folder to stream from: the model's own, or for a GGUF its dequantized cache."""
     from compress.models import gguf_cache
@@ -151,10 +163,12 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
     from compress.checkpoint import atomic_dir
     from compress.models import load_tokenizer
     from compress.shards import ShardReader
-    from compress.stream import StreamedBlocks, skeleton, write_side_files
+    from compress.embed_head import empty_outer
+    from compress.stream import StreamedBlocks, skeleton, tied, write_side_files
 
     folder = stream_folder(src, trust_remote_code)
     model = skeleton(folder, trust_remote_code)
+    plan = plan_outer(cfg, tied(model))
     estimate, offloaded = plan_offload(model, cfg, True, max_memory, offload)
     check(estimate, max_memory, f"streaming {src.name} with {cfg.method}")
     reader = ShardReader(folder)
@@ -162,9 +176,10 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
     tokenizer = load_tokenizer(src, trust_remote_code)
     batches, calibration = _calibration(cfg, tokenizer)
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        store = StreamedBlocks(model, reader, tmp, _offload_dir(out) if offloaded else None)
+        store = StreamedBlocks(model, reader, tmp, _offload_dir(out) if offloaded else None, bool(src.gguf_file))
         report = quantize_model(model, cfg, batches, progress, store=store)
-        store.finish()
+        store.finish(plan)
+        empty_outer(model, plan)  # the skeleton now describes what was written
         write_side_files(model, folder, tokenizer, tmp, _quantization_config(model, cfg, calibration, recipe, src))
     blocks = store.stats.block_seconds
     memory = {"estimate_bytes": estimate.peak, "largest_block_bytes": store.stats.block_bytes,
@@ -175,9 +190,10 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
 def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_remote_code, allow_pickle, train_progress,
                max_memory, offload):
     from compress.checkpoint import save_quantized
+    from compress.embed_head import quantize_outer
     from compress.models import load_model
     from compress.shards import ShardReader
-    from compress.stream import outer_dtypes, skeleton
+    from compress.stream import outer_dtypes, skeleton, tied
 
     estimate, dtypes, offloaded = None, None, bool(offload)
     if not src.gguf_file and not src.quantized and any(src.path.glob("*.safetensors")):
@@ -186,10 +202,16 @@ def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_rem
         check(estimate, max_memory, f"{cfg.method} on {src.name} (the whole model in memory)")
         dtypes = outer_dtypes(skel, ShardReader(src.path))
     model, tokenizer, src = load_model(model_spec, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    if src.gguf_file:  # loaded from its fp32 cache: the tensors outside the blocks go back to 16 bits
+        from compress.models import gguf_cache
+
+        cache = gguf_cache(src)
+        dtypes = outer_dtypes(skeleton(cache), ShardReader(cache), gguf=True)
     fp_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     batches, calibration = _calibration(cfg, tokenizer)
     store = BlockStore(_offload_dir(out) if offloaded else None)
     report = quantize_model(model, cfg, batches, progress, train_progress, store)
+    quantize_outer(model, plan_outer(cfg, tied(model)))
     save_quantized(model, tokenizer, out, _quantization_config(model, cfg, calibration, recipe, src),
                    overwrite=overwrite, dtypes=dtypes)
     memory = {"estimate_bytes": estimate.peak} if estimate else {}
@@ -219,6 +241,7 @@ def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite
     t0 = time.perf_counter()
     src = resolve(model_spec)
     preflight(src, cfg, trust_remote_code)
+    check_outer(src, cfg, trust_remote_code)
     reason = why_not_streamed(src, cfg)
     if stream and reason:
         raise ValueError(f"cannot stream {src.name}: {reason}; drop --stream")

@@ -3,7 +3,9 @@
 The figures are upper estimates of the resident set: the process itself (torch, transformers), the
 weights held at once (one decoder block when streaming, the whole model otherwise; training adds
 gradients, Adam's two moments and a teacher copy), the calibration activations (inputs and outputs
-of a block, fp32) and the method's own statistics (GPTQ Hessians, AWQ's sampled rows).
+of a block, fp32) and the method's own statistics (GPTQ Hessians, AWQ's sampled rows), and what the tables outside
+the blocks cost (embedding and untied head: the source slabs read for them, their quantized codes, the tokenizer
+of their vocabulary), which grows with the vocabulary, not the depth.
 """
 from __future__ import annotations
 
@@ -64,19 +66,21 @@ class MemoryPlan:
     gradients: int = 0  # guided GPTQ's backward pass over one sequence, and the token weights it keeps
     teacher: int = 0  # QAT's fp teacher, held from before the PTQ start to the end of training
     phased: bool = False  # QAT: the PTQ start's activations, statistics and gradients are freed before training
+    outer: int = 0  # the embedding and head's reads, codes and temporaries, and the tokenizer (:func:`outer_bytes`)
 
     @property
     def peak(self) -> int:
         ptq = self.activations + self.statistics + self.gradients
         work = max(ptq, self.training) if self.phased else ptq + self.training
-        return BASE_BYTES + self.weights + self.teacher + work
+        return BASE_BYTES + self.weights + self.teacher + work + self.outer
 
     def describe(self) -> str:
         parts = [f"weights {gib(self.weights)}", f"activations {gib(self.activations)}",
                  f"statistics {gib(self.statistics)}"] + ([f"gradient pass {gib(self.gradients)}"] if self.gradients
                                                           else []) \
             + ([f"{'then ' if self.phased else ''}training {gib(self.training)}"] if self.training else []) \
-            + ([f"teacher {gib(self.teacher)}"] if self.teacher else [])
+            + ([f"teacher {gib(self.teacher)}"] if self.teacher else []) \
+            + ([f"embedding and head {gib(self.outer)}"] if self.outer else [])
         return f"about {gib(self.peak)} ({', '.join(parts)}, process {gib(BASE_BYTES)})"
 
 
@@ -109,8 +113,9 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
             activations = 0 if cfg.gptq.guided else cfg.batch_size * cfg.seqlen * (6 * hidden + 2 * widest) * 4
     if cfg.method == "awq" or cfg.method == "qat" and cfg.qat.init == "awq":
         statistics += len(linears) * cfg.awq.search_tokens * widest * 4
+    outer = outer_bytes(model, cfg, streamed)
     if streamed:  # one fp32 block, its stored copy while loading, the packed result
-        return MemoryPlan(2 * block, activations, statistics)
+        return MemoryPlan(2 * block, activations, statistics, outer=outer)
     whole = _numel(model) * 4
     training, teacher = 0, 0
     if cfg.method == "qat" or cfg.uptrain_steps or cfg.kv_fit_steps:
@@ -122,7 +127,30 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
         kept = len(linears) * len(layers) * cfg.nsamples * cfg.seqlen * 4 if cfg.gptq.sequential else 0  # the weights
         gradients = graph + kept
     phased = cfg.method == "qat" and cfg.qat.init != "rtn"  # compress/qat.py: init_ptq returns, then training
-    return MemoryPlan(whole + block, activations, statistics, training, gradients, teacher, phased)
+    return MemoryPlan(whole + block, activations, statistics, training, gradients, teacher, phased, outer)
+
+
+TOKENIZER_BYTES_PER_TOKEN = 1024  # a folder's tokenizer: ~150 B per token measured (SmolLM2's 49,152); GGUF's: ~3 KB
+
+
+def outer_bytes(model: nn.Module, cfg, streamed: bool) -> int:
+    """Beyond the weights counted elsewhere, what the embedding and an untied head cost while quantizing: streamed,
+    a source slab as read, its fp32 copy and the previous fp32 slab still referenced (compress/shards.py SLAB_BYTES,
+    16-bit sources); in memory, the tables' 16-bit source pages while loading and their 16-bit copies while saving;
+    both, the packed codes of quantized tables with one chunk's temporaries (compress/embed_head.py), and the
+    tokenizer of the vocabulary."""
+    from compress.embed_head import CHUNK_VALUES, plan_outer
+    from compress.shards import SLAB_BYTES
+
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    vocab, hidden, tied = text.vocab_size, text.hidden_size, bool(getattr(text, "tie_word_embeddings", False))
+    tables = (1 if tied else 2) * vocab * hidden
+    plan = plan_outer(cfg, tied)
+    schemes = [s for s in (plan.embed, plan.head) if s is not None]
+    codes = sum(vocab * hidden * s.bits // 8 + vocab * s.n_groups(hidden) * 3 for s in schemes)
+    work = CHUNK_VALUES * 48 if schemes else 0  # fp32 values, grouped copies, int64 codes while packing
+    reads = 5 * SLAB_BYTES if streamed else 2 * tables * 2
+    return reads + codes + work + vocab * TOKENIZER_BYTES_PER_TOKEN
 
 
 def _train_graph(cfg, n_layers: int, hidden: int, widest: int, vocab: int) -> int:

@@ -6,7 +6,8 @@ materializes decoder block ``i`` from the source shards just before its turn (th
 transformers' own checkpoint conversion, so fused MoE experts load as ``from_pretrained`` would
 load them), writes its packed tensors to a part file once it is quantized, and sends it back to
 ``meta``; at the end the parts are regrouped into ``model.safetensors`` (or ~2 GB shards and an index). The embeddings and the untied head are never materialized: calibration looks up only
-the rows its tokens use, and both are copied to the output a slab of rows at a time. Every tensor
+the rows its tokens use, and both are copied to the output a slab of rows at a time (or, with ``embed``/``head``,
+quantized slab by slab: compress/embed_head.py). Every tensor
 is computed exactly as on the in-memory path (fp32, the same per-block code), so the two paths write
 the same tensors; both keep the tensors outside the blocks (embeddings, head, final norm), which
 quantization does not touch, in the source's dtype (:func:`outer_dtypes`).
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from compress.calibrate import BlockInputs, BlockStore, capture_inputs, decoder_layers
+from compress.embed_head import OuterPlan, quantize_table
 from compress.memory import trim
 from compress.shards import Lazy, ShardReader, consolidate, write_shard
 
@@ -106,9 +108,11 @@ class StreamStats:
 class StreamedBlocks(BlockStore):
     """Decoder blocks streamed from ``reader``'s shards into ``model`` and out to shards in ``out``."""
 
-    def __init__(self, model: nn.Module, reader: ShardReader, out: Path, offload: Path | None = None):
+    def __init__(self, model: nn.Module, reader: ShardReader, out: Path, offload: Path | None = None,
+                 gguf: bool = False):
         super().__init__(offload)
         self.model, self.reader, self.out = model, reader, out
+        self.dtypes = outer_dtypes(model, reader, gguf)  # model name -> the dtype it is written in
         self.prefix = layers_prefix(model)
         n = len(decoder_layers(model))
         self.block_keys: list[list[str]] = [[] for _ in range(n)]
@@ -176,31 +180,48 @@ class StreamedBlocks(BlockStore):
             if pad is not None:
                 emb.padding_idx = pad
 
+    def _quantized_table(self, name: str, src: str, scheme) -> dict[str, Tensor]:
+        """``name``'s table quantized from the source a slab of rows at a time (only the packed result is held; a
+        head's bias is written as any other tensor)."""
+        rows, cols = self.reader.entries[src].shape
+        prefix = name.rsplit(".", 1)[0]
+        table = quantize_table(self.reader.slabs(src, DTYPE), rows, cols, scheme)
+        return {f"{prefix}.{k}": v for k, v in table.state_dict().items()}
+
     def _write(self, tensors: dict[str, Tensor | Lazy]) -> None:
         self.parts.append(self.out / f".part-{len(self.parts):05d}.safetensors")
         write_shard(self.parts[-1], tensors)
 
-    def finish(self) -> None:
-        """Everything outside the blocks, then the parts regrouped into the checkpoint's shards."""
+    def finish(self, plan: OuterPlan | None = None) -> None:
+        """Everything outside the blocks (the embedding and head quantized slab by slab as ``plan`` says), then the
+        parts regrouped into the checkpoint's shards."""
         tensors: dict[str, Tensor | Lazy] = {}
+        quantized = {} if plan is None else {self.embed: plan.embed, self.head: plan.head}
         for k, v in self.model.state_dict().items():
             if k.startswith(f"{self.prefix}.") or (k == "lm_head.weight" and tied(self.model)):
                 continue
             src = self.source.get(k, k)
             if src not in self.reader:
                 raise ValueError(f"{self.reader.folder}: no tensor {src} in the checkpoint")
-            e = self.reader.entries[src]  # outside the blocks: written in the source's own dtype
-            tensors[k] = Lazy(e.dtype, e.shape, lambda s=src, e=e: self.reader.slabs(s, e.dtype)) if v.is_meta \
-                else v.to(e.dtype)
+            if quantized.get(k) is not None:
+                tensors.update(self._quantized_table(k, src, quantized[k]))
+                continue
+            e, dt = self.reader.entries[src], self.dtypes.get(k, self.reader.entries[src].dtype)
+            tensors[k] = Lazy(dt, e.shape, lambda s=src, dt=dt: self.reader.slabs(s, dt)) if v.is_meta else v.to(dt)
         self._write(tensors)
         consolidate(self.parts, self.out, MAX_SHARD_BYTES)
 
 
-def outer_dtypes(model: nn.Module, reader: ShardReader) -> dict[str, torch.dtype]:
-    """The stored dtype of every floating tensor outside the decoder blocks, by name."""
+GGUF_OUTER_DTYPE = torch.bfloat16  # compress/exporters/dtypes.py's rule for a GGUF source: float32's range, half the size
+
+
+def outer_dtypes(model: nn.Module, reader: ShardReader, gguf: bool = False) -> dict[str, torch.dtype]:
+    """The dtype to write every floating tensor outside the decoder blocks in, by name: the source's stored one;
+    for a GGUF source (``gguf``: ``reader`` is its fp32 dequantized cache, whose float type is not the original's)
+    bfloat16, never the cache's widened fp32."""
     prefix = f"{layers_prefix(model)}."
     names = model_names(model, reader.entries)
-    return {names[k]: e.dtype for k, e in reader.entries.items()
+    return {names[k]: GGUF_OUTER_DTYPE if gguf else e.dtype for k, e in reader.entries.items()
             if not k.startswith(prefix) and e.dtype.is_floating_point}
 
 

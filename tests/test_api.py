@@ -23,7 +23,8 @@ def test_quantize_evaluate_and_generate_through_the_api(tiny_dir, calib_text, tm
                                 group_size=32)
     assert summary.out == str(out) and summary.out_bytes > 0 and summary.report.method == "gptq"
     model, _, _ = load_model(str(out))
-    assert all(q.scheme.group_size == 32 for q in model.modules() if hasattr(q, "scheme"))
+    # the blocks' linears take the override; the int8 embedding and head keep their own per-row scheme
+    assert all(q.scheme.group_size == 32 for n, q in model.named_modules() if hasattr(q, "scheme") and ".layers." in n)
     with pytest.raises(FileExistsError, match="--overwrite"):
         compress.quantize(str(tiny_dir), recipe="rtn4", out=out)
 

@@ -28,7 +28,8 @@ def test_quantize_end_to_end_and_reload(tiny_dir, calib_text, tmp_path):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["method"] == "gptq" and qc["bits"] == 4 and qc["group_size"] == 32
     assert qc["calibration"] == {"source": str(calib_text), "nsamples": 4, "seqlen": 32, "seed": 0}
-    assert len(qc["modules"]) == 14
+    assert len(qc["modules"]) == 15  # 2 blocks x 7 linears, and gptq4's int8 head (tiny llama: untied)
+    assert qc["embed"]["bits"] == 8 and qc["head"]["bits"] == 8 and not qc["head"]["tied"]
     from compress.models import load_model
 
     model, tok, src = load_model(str(out))

@@ -339,8 +339,9 @@ def prepare_model(model: nn.Module, mode: str, dtype: torch.dtype, device_type: 
         module = model.get_submodule(name)
         if device_type == "cuda" and mode in ("auto", "packed"):
             kernel = TritonLinear(module)
-        else:
-            kernel = prepare_linear(module, mode, dtype, fused, lean)
+        else:  # a quantized head runs from its codes only: a bf16 copy would be a full-width [vocab, hidden] table
+            kernel = prepare_linear(module, "packed" if name == "lm_head" and mode == "auto" else mode, dtype, fused,
+                                    lean)
         del module
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, kernel)

@@ -204,7 +204,8 @@ class TransformersLM(nn.Module):
         if self.decoder is hf:
             raise ValueError(f"{type(hf).__name__} has no separate base model to run without its head")
         head, emb = hf.get_output_embeddings(), hf.get_input_embeddings()
-        self.lm_head: nn.Module | None = None if head.weight is emb.weight else head  # None: tied to the embeddings
+        tied = getattr(head, "weight", None) is not None and head.weight is getattr(emb, "weight", None)
+        self.lm_head: nn.Module | None = None if tied else head  # None: tied to the (fp) embeddings
         tc = hf.config.get_text_config()
         self.logit_transforms = [(LOGIT_TRANSFORMS[k], float(getattr(tc, k))) for k in LOGIT_TRANSFORMS
                                  if getattr(tc, k, None) not in (None, 1.0, 0.0)]

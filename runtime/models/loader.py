@@ -2,7 +2,9 @@
 and GGUF files (dequantized once by ``compress.models`` and cached as safetensors).
 
 Quantized linears are rebuilt as ``compress.qlinear.QuantLinear`` straight from their integers
-(``config.json`` ``quantization_config.modules`` names each one); nothing is dequantized here. q/k/v
+(``config.json`` ``quantization_config.modules`` names each one); nothing is dequantized here. A quantized
+embedding (``quantization_config.embed``) becomes a ``QuantEmbedding`` that dequantizes only the rows a forward
+looks up; a tied quantized head (``quantization_config.head.tied``) is a QuantLinear over the embedding's buffers. q/k/v
 and gate/up are fused into one linear each when their formats allow (plain weights, or identical
 quantization schemes without act-order), by concatenating output rows; otherwise they run side by side.
 
@@ -26,7 +28,7 @@ from torch import Tensor, nn
 
 from compress.models import ModelSource
 from compress.moe_packed import PackedLinears
-from compress.qlinear import QuantLinear
+from compress.qlinear import QuantEmbedding, QuantLinear
 from runtime.models.layers import ConcatLinear
 from runtime.models.llama import DecoderLM, ModelConfig
 from runtime.kernels.moe import StackedLinears
@@ -45,14 +47,16 @@ class Checkpoint:
     tensors: Mapping[str, Tensor]
     quant_modules: dict[str, dict] = field(default_factory=dict)
     quant_experts: dict[str, dict] = field(default_factory=dict)  # packed MoE experts (quantization_config.moe)
+    quant_embed: dict | None = None  # a quantized input embedding (quantization_config.embed)
+    tied_quant_head: bool = False  # the LM head reads the quantized embedding's codes (quantization_config.head)
     tokenizer: object | None = None
     eos_token_ids: tuple[int, ...] = ()
     source: ModelSource | None = None  # where it was read from (the transformers backend loads from there)
 
     @property
     def quantized(self) -> bool:
-        """Whether any linear or expert stack is stored as packed integers."""
-        return bool(self.quant_modules or self.quant_experts)
+        """Whether any linear, expert stack or the embedding is stored as packed integers."""
+        return bool(self.quant_modules or self.quant_experts or self.quant_embed)
 
     @property
     def stored_dtype(self) -> str | None:
@@ -112,7 +116,7 @@ def open_checkpoint(spec: str, trust_remote_code: bool = False) -> Checkpoint:
         hf = _load_gguf(src, torch.float32)
         gen = getattr(hf, "generation_config", None)
         cfg = hf.config.to_dict()
-        return Checkpoint(src.name, cfg, dict(hf.state_dict()), {}, {}, tokenizer,
+        return Checkpoint(src.name, cfg, dict(hf.state_dict()), {}, {}, None, False, tokenizer,
                           _eos_ids(getattr(gen, "eos_token_id", None), cfg.get("eos_token_id"), tok_eos), src)
     cfg = json.loads((src.path / "config.json").read_text())
     qc: dict = {}
@@ -123,7 +127,8 @@ def open_checkpoint(spec: str, trust_remote_code: bool = False) -> Checkpoint:
     gen_file = src.path / "generation_config.json"
     gen_eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.is_file() else None
     return Checkpoint(src.name, cfg, LazyTensors(src.path), qc.get("modules", {}), qc.get("moe", {}),
-                      tokenizer, _eos_ids(gen_eos, cfg.get("eos_token_id"), tok_eos), src)
+                      qc.get("embed"), bool((qc.get("head") or {}).get("tied")), tokenizer,
+                      _eos_ids(gen_eos, cfg.get("eos_token_id"), tok_eos), src)
 
 
 def _linear(ckpt: Checkpoint, name: str, in_f: int, out_f: int, dtype: torch.dtype) -> nn.Module:
@@ -260,9 +265,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, max_positions: int) -> Dec
     model = DecoderLM(cfg, dtype, max_positions)
     t = ckpt.tensors
     h, d, hq, hkv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    emb = model.embed_tokens.weight
-    emb.data = torch.empty(0, dtype=emb.dtype)  # the init's storage goes before the checkpoint's is read
-    _copy(emb, t["model.embed_tokens.weight"], "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+    load_embedding(ckpt, model, cfg, dtype)
     _copy(model.norm.weight, t["model.norm.weight"], "model.norm.weight")
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
@@ -286,6 +289,26 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, max_positions: int) -> Dec
             load_mlp(ckpt, layer.mlp, p + "mlp.", h, inter, dtype)
         for name in layer.norm_names:  # the family's norms (runtime/models/blocks.py NORM_ROLES)
             _copy(getattr(layer, name).weight, t[p + name + ".weight"], p + name + ".weight")
-    if "lm_head" in ckpt.quant_modules or not cfg.tie_word_embeddings:
+    if ckpt.tied_quant_head:  # one tensor set: the head reads the embedding's codes
+        model.lm_head = model.embed_tokens.as_linear()
+    elif "lm_head" in ckpt.quant_modules or not cfg.tie_word_embeddings:
         model.lm_head = _linear(ckpt, "lm_head", h, cfg.vocab_size, dtype)
     return model.eval().requires_grad_(False)
+
+
+def load_embedding(ckpt: Checkpoint, model: DecoderLM, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    """The input embedding: a :class:`QuantEmbedding` from its codes (lookups dequantize only their rows), or the
+    fp table."""
+    name, shape = "model.embed_tokens", (cfg.vocab_size, cfg.hidden_size)
+    if ckpt.quant_embed is not None:
+        from compress.checkpoint import scheme_of
+
+        q = QuantEmbedding(*shape, scheme_of(ckpt.quant_embed), dtype, device="meta")  # the family scales it itself
+        q.load_state_dict({k: ckpt.tensors[f"{name}.{k}"] for k in q.state_dict()}, strict=True, assign=True)
+        if tuple(q.qweight.shape[:1]) != shape[:1]:
+            raise ValueError(f"{name}.qweight has {q.qweight.shape[0]} rows, the config implies {shape[0]}")
+        model.embed_tokens = q
+        return
+    emb = model.embed_tokens.weight
+    emb.data = torch.empty(0, dtype=emb.dtype)  # the init's storage goes before the checkpoint's is read
+    _copy(emb, ckpt.tensors[f"{name}.weight"], f"{name}.weight", shape)

@@ -1,3 +1,6 @@
+import pytest
+import torch
+
 from tiny_models import tiny_model
 
 from compress.config import QuantizeConfig
@@ -11,7 +14,7 @@ def _plan(**fields):
 def test_qat_from_rtn_holds_no_calibration_activations():
     p = _plan(method="qat", init="rtn", nsamples=64, seqlen=64)
     assert p.activations == 0 and p.statistics == 0
-    assert p.peak == BASE_BYTES + p.weights + p.teacher + p.training
+    assert p.peak == BASE_BYTES + p.weights + p.teacher + p.training + p.outer
 
 
 def test_qat_from_gptq_peaks_at_the_larger_phase_not_their_sum():
@@ -21,11 +24,46 @@ def test_qat_from_gptq_peaks_at_the_larger_phase_not_their_sum():
     trained = _plan(method="qat", init="rtn", nsamples=64, seqlen=64)
     ptq = p.activations + p.statistics + p.gradients
     assert p.statistics > 0 and p.gradients > 0 and p.training == trained.training
-    assert p.peak == BASE_BYTES + p.weights + p.teacher + max(ptq, p.training)
-    assert p.peak < BASE_BYTES + p.weights + p.teacher + ptq + p.training
+    assert p.peak == BASE_BYTES + p.weights + p.teacher + max(ptq, p.training) + p.outer
+    assert p.peak < BASE_BYTES + p.weights + p.teacher + ptq + p.training + p.outer
 
 
 def test_training_graph_grows_with_the_batch_and_the_autocast_width():
     small = _plan(method="qat", batch_size=2, train_dtype="bfloat16")
     assert _plan(method="qat", batch_size=4, train_dtype="bfloat16").training > small.training
     assert _plan(method="qat", batch_size=2, train_dtype="float32").training > small.training
+
+
+def test_the_embedding_and_head_count_with_the_vocabulary():
+    small, large = (plan(tiny_model("llama", vocab=v), QuantizeConfig(embed="int8", head="int8"), streamed=True)
+                    for v in (256, 32768))
+    assert large.outer - small.outer >= (32768 - 256) * (64 * 2 + 1024)  # two int8 tables and the tokenizer
+
+
+# a 262,144-token tied table on two thin blocks: the vocabulary, not the depth, sets the memory (a 270M model's shape)
+@pytest.mark.parametrize("recipe,stream,embed", [("rtn4", True, "int8"), ("awq4", True, "none"),
+                                                 ("gptq4", False, "int8")])
+def test_the_estimate_bounds_the_peak_on_a_large_vocabulary(tmp_path, smol_tokenizer, calib_text, recipe, stream,
+                                                            embed):
+    from compress.config import load_recipe
+    from compress.job import peak_rss, quantize_to_folder
+    from compress.stream import skeleton
+    from peak import reset_peak
+
+    def save(name, **kw):
+        model = tiny_model("llama", **kw).to(torch.bfloat16)
+        model.config.tie_word_embeddings = True
+        model.save_pretrained(tmp_path / name)
+        smol_tokenizer.save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    cfg = load_recipe(recipe).replace(calib=str(calib_text), nsamples=8, seqlen=64, batch_size=4, embed=embed)
+    warm = save("warm", vocab=len(smol_tokenizer))  # first-use imports are the process's, not the run's
+    quantize_to_folder(str(warm), cfg, str(tmp_path / "w"), stream=stream)
+    src = save("large", hidden=128, vocab=262144)
+    if (before := reset_peak()) is None:
+        pytest.skip("needs /proc/self/clear_refs to measure the peak")
+    quantize_to_folder(str(src), cfg, str(tmp_path / "o"), stream=stream)
+    grown = peak_rss() - before
+    estimate = plan(skeleton(src), cfg, stream).peak - BASE_BYTES  # the process itself is already resident here
+    assert grown <= estimate, (grown / 2**20, estimate / 2**20)

@@ -57,6 +57,8 @@ UNREAD = {
     "calib": "compress/job.py turns calib, nsamples and seqlen into the batches quantize_model is given",
     "nsamples": "compress/job.py", "seqlen": "compress/job.py",
     "block_size": "GPTQ's lazy-update width: the same result, faster",
+    **{f: "compress/job.py rounds the embedding and head after the method (tests/compress/test_embed_head.py)"
+       for f in ("embed", "head", "embed_group_size", "head_group_size", "embed_sym", "head_sym")},
 }
 REFUSED = "refused with a ValueError"
 DATA_FREE, PTQ = ("rtn", "nf4"), ("rtn", "nf4", "gptq", "awq")
