@@ -192,7 +192,7 @@ def swap_in_packed_experts(model: nn.Module, entries: dict[str, dict]) -> None:
 
 def dequantize_embedding(state: dict[str, torch.Tensor], entry: dict, hidden: int) -> None:
     """Replace a quantized embedding's ``E.qweight``/``scales``/``qzeros`` in ``state`` by its dequantized ``E.weight``
-    (fp32), so a model of plain nn.Embedding loads it; exporters read the codes themselves (exporters/common.py)."""
+    (fp32), so a model of the family's own embedding module loads it."""
     from compress.quant import dequantize, unpack
 
     name, scheme = entry["name"], scheme_of(entry)
@@ -200,8 +200,12 @@ def dequantize_embedding(state: dict[str, torch.Tensor], entry: dict, hidden: in
     state[f"{name}.weight"] = dequantize(q, state.pop(f"{name}.scales"), state.pop(f"{name}.qzeros", None), scheme)
 
 
-def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
-    """Load a folder written by :func:`save_quantized` into QuantLinear modules (no fp weights)."""
+def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                   dequantize_tables: bool = False) -> nn.Module:
+    """Load a folder written by :func:`save_quantized` into QuantLinear modules (no fp weights). A quantized
+    embedding becomes a :class:`QuantEmbedding` (a tied head reads its codes), or with ``dequantize_tables`` the
+    family's own embedding module holding its dequantized values (the exporters, which read the codes from the
+    files themselves and need the modules transformers' export paths know)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -212,7 +216,7 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_r
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     swap_in_quant_linears(model, qc["modules"], dtype)
-    tied_head = swap_in_quant_embedding(model, qc, dtype)
+    tied_head = None if dequantize_tables else swap_in_quant_embedding(model, qc, dtype)
     if qc.get("moe"):
         swap_in_packed_experts(model, qc["moe"])
     from compress.shards import shard_files
@@ -220,7 +224,7 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_r
     state = {}
     for f in shard_files(path):  # model.safetensors, or the shards a streamed run writes
         state.update(load_file(str(f)))
-    if qc.get("embed"):
+    if dequantize_tables and qc.get("embed"):
         dequantize_embedding(state, qc["embed"], config.hidden_size)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()

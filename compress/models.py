@@ -159,8 +159,9 @@ def _load_gguf(src: ModelSource, dtype: torch.dtype) -> nn.Module:
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-               allow_pickle: bool = False):
-    """Load (model, tokenizer, source) for a name or path, in eval mode on CPU."""
+               allow_pickle: bool = False, dequantize_tables: bool = False):
+    """Load (model, tokenizer, source) for a name or path, in eval mode on CPU (``dequantize_tables``: see
+    :func:`compress.checkpoint.load_quantized`)."""
     from transformers import AutoModelForCausalLM
 
     src = resolve(spec)
@@ -169,7 +170,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code:
     if src.quantized:
         from compress.checkpoint import load_quantized
 
-        model = load_quantized(src.path, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = load_quantized(src.path, dtype=dtype, trust_remote_code=trust_remote_code,
+                               dequantize_tables=dequantize_tables)
     elif src.gguf_file:
         model = _load_gguf(src, dtype)
     else:

@@ -116,7 +116,7 @@ def load_source(spec: str) -> Source:
     """Load a compress quantized folder, a plain HF folder or an embedded model name, in float32."""
     from compress.models import load_model
 
-    model, tokenizer, src = load_model(spec, dtype=torch.float32)
+    model, tokenizer, src = load_model(spec, dtype=torch.float32, dequantize_tables=True)  # codes: read_tables
     return Source(model.eval(), tokenizer, src.path)
 
 
@@ -129,7 +129,7 @@ def tied_lm_head(model: nn.Module) -> bool:
     head = model.get_output_embeddings()
     emb = model.get_input_embeddings()
     return (head is not None and not isinstance(head, QuantLinear) and emb is not None
-            and head.weight is emb.weight)
+            and head.weight is getattr(emb, "weight", None))  # a QuantEmbedding has codes, no weight
 
 
 def fp_tensors(model: nn.Module, dtype: torch.dtype, tables: Tables | None = None,
