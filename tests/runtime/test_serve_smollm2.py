@@ -9,7 +9,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
-from test_guided import SCHEMAS  # noqa: E402
+from test_structured_output import SCHEMAS  # noqa: E402
 from test_server import KEY, Served  # noqa: E402
 from test_tool_calls import TIME, WEATHER  # noqa: E402
 
