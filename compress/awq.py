@@ -86,6 +86,15 @@ class Bounds(NamedTuple):
     hi: Tensor
 
 
+def full_range(wg: Tensor, scheme: Scheme) -> Bounds:
+    """Each group's unclipped range of grouped weights ``wg: [out, G, g]``: min/max (through 0) for an asymmetric
+    grid, +-absmax for a symmetric one."""
+    if scheme.sym or scheme.format == "nf4":
+        hi = wg.abs().amax(dim=-1)
+        return Bounds(-hi, hi)
+    return Bounds(wg.amin(dim=-1).clamp(max=0), wg.amax(dim=-1).clamp(min=0))
+
+
 @torch.inference_mode()
 def search_clip(x: Tensor, w: Tensor, scheme: Scheme, grid: int = 20, max_shrink: float = 0.5,
                 chunk: int = 256) -> Bounds:
@@ -94,11 +103,7 @@ def search_clip(x: Tensor, w: Tensor, scheme: Scheme, grid: int = 20, max_shrink
     sample inputs ``x: [n, in]``."""
     xg = _grouped(x.float(), scheme).permute(1, 0, 2)  # [G, n, g]
     wg_all = _grouped(w.float(), scheme)  # [out, G, g]
-    if scheme.sym or scheme.format == "nf4":
-        hi_all = wg_all.abs().amax(dim=-1)
-        lo_all = -hi_all
-    else:
-        lo_all, hi_all = wg_all.amin(dim=-1).clamp(max=0), wg_all.amax(dim=-1).clamp(min=0)
+    lo_all, hi_all = full_range(wg_all, scheme)
     best_lo, best_hi = lo_all.clone(), hi_all.clone()
     for r0 in range(0, w.shape[0], chunk):  # rows in chunks bound the [G, n, rows] error tensor
         rows = slice(r0, r0 + chunk)
@@ -179,19 +184,28 @@ class _Sampler:
         return torch.cat(self.samples[name])
 
 
-def round_weight(w: Tensor, x: Tensor, H: Tensor | None, cfg: QuantizeConfig, clip: bool
-                 ) -> tuple[QuantizedWeight, float | None]:
+class Rounded(NamedTuple):
+    weight: QuantizedWeight
+    loss: float | None  # GPTQ's, when it rounded
+    clip: float = 1.0  # the clipped ranges' mean share of the full ones (1: no clipping)
+
+
+def round_weight(w: Tensor, x: Tensor, H: Tensor | None, cfg: QuantizeConfig, clip: bool) -> Rounded:
     """The last step for one smoothed linear, dense or expert: clip on the first ``clip_tokens`` rows of its
     sampled inputs ``x [n, in]``, then round by RTN (weighted by ``x``'s energy with ``weighted_range``) or,
-    given its Hessian ``H``, by GPTQ (the config's gptq options); returns the weight and GPTQ's loss."""
+    given its Hessian ``H``, by GPTQ (the config's gptq options)."""
     scheme, opts = cfg.scheme, cfg.awq
+    kept = 1.0
     if clip:
-        w = clip_weight(w, search_clip(x[:opts.clip_tokens], w, scheme, opts.clip_grid), scheme)
+        bounds = search_clip(x[:opts.clip_tokens], w, scheme, opts.clip_grid)
+        full = full_range(_grouped(w.float(), scheme), scheme)
+        kept = ((bounds.hi - bounds.lo) / (full.hi - full.lo).clamp(min=1e-12)).mean().item()
+        w = clip_weight(w, bounds, scheme)
     if H is None:
         energy = x.pow(2).mean(0) if cfg.weighted_range else None
-        return rtn.quantize_weight(w, scheme, energy), None
+        return Rounded(rtn.quantize_weight(w, scheme, energy), None, kept)
     res = gptq.quantize_weight(w, H, scheme, cfg.gptq, cfg.weighted_range)
-    return res.weight, res.loss
+    return Rounded(res.weight, res.loss, kept)
 
 
 def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap, guided: bool) -> dict[str, gptq.Hessian]:
@@ -261,7 +275,7 @@ class _Judge:
 
     held: dict[str, Tensor]
     prefix: str
-    rounded: dict[str, tuple[QuantizedWeight, float | None]] = field(default_factory=dict)
+    rounded: dict[str, Rounded] = field(default_factory=dict)
     grouped: set[str] = field(default_factory=set)
     plain: set[str] = field(default_factory=set)
 
@@ -332,8 +346,10 @@ def _judge_group(sm: Smooth, mods: list[nn.Module], s: Tensor, sampler: _Sampler
         judge.rounded[n] = round_weight(m.weight.data, sampler.x(n), None if hessians is None else hessians[n].H, cfg,
                                         cfg.awq.clip and n not in bmap.no_clip)
         plain = rtn.quantize_weight(w0, cfg.scheme)
-        choices.append(fallback.compare(w0, judge.rounded[n][0].dequantize() / s, plain.dequantize(), judge.held[n]))
+        choices.append(fallback.compare(w0, judge.rounded[n].weight.dequantize() / s, plain.dequantize(),
+                                        judge.held[n]))
     choice = fallback.combine(choices)
+    clip = sum(judge.rounded[n].clip for n in sm.linears) / len(sm.linears)  # the AWQ candidate's, for the record
     judge.grouped.update(sm.linears)
     if choice.rtn:
         snapshot.restore(sampler)
@@ -342,7 +358,7 @@ def _judge_group(sm: Smooth, mods: list[nn.Module], s: Tensor, sampler: _Sampler
             judge.rounded.pop(n)
     else:
         judge.rounded.pop(sm.prev, None)  # its rows were rescaled: rounded again at the end
-    return {**choice.record(), "names": [f"{judge.prefix}{n}" for n in sm.linears]}
+    return {**choice.record(), "clip": clip, "names": [f"{judge.prefix}{n}" for n in sm.linears]}
 
 
 def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeConfig) -> ExpertResult:
@@ -369,8 +385,8 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
     inter = inter / s
     if h_dn is not None:
         h_dn.H.div_(torch.outer(s, s))
-    gu, gu_loss = round_weight(w_gu, x, None if h_gu is None else h_gu.H, cfg, opts.clip)
-    dn, dn_loss = round_weight(w_down, inter, None if h_dn is None else h_dn.H, cfg, opts.clip)
+    gu, gu_loss, _ = round_weight(w_gu, x, None if h_gu is None else h_gu.H, cfg, opts.clip)
+    dn, dn_loss, _ = round_weight(w_down, inter, None if h_dn is None else h_dn.H, cfg, opts.clip)
     losses = {"down_proj": res.loss, "down_proj_rtn": res.base_loss}
     if gu_loss is not None:
         losses.update(gate_up_proj_gptq=gu_loss, down_proj_gptq=dn_loss)
@@ -379,31 +395,31 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
 
 def _final_weight(name: str, lin: nn.Linear, sampler: _Sampler, hessians: dict[str, gptq.Hessian] | None,
                   cfg: QuantizeConfig, bmap: BlockMap, judge: _Judge | None, records: list[dict], i: int
-                  ) -> tuple[QuantizedWeight, float | None]:
+                  ) -> Rounded:
     """One linear's last step: plain RTN where its group fell back, the weight rounded while judging its group, or
     clipped and rounded now (a linear in no group judged alone against RTN, a record appended to ``records``)."""
     if judge is not None and name in judge.plain:
-        return rtn.quantize_weight(lin.weight.data, cfg.scheme), None
+        return Rounded(rtn.quantize_weight(lin.weight.data, cfg.scheme), None)
     if judge is not None and name in judge.rounded:
         return judge.rounded.pop(name)
-    qw, loss = round_weight(lin.weight.data, sampler.x(name), None if hessians is None else hessians[name].H, cfg,
-                            cfg.awq.clip and name not in bmap.no_clip)
+    res = round_weight(lin.weight.data, sampler.x(name), None if hessians is None else hessians[name].H, cfg,
+                       cfg.awq.clip and name not in bmap.no_clip)
     if judge is None or name in judge.grouped:
-        return qw, loss
+        return res
     plain = rtn.quantize_weight(lin.weight.data, cfg.scheme)
-    choice = fallback.compare(lin.weight.data, qw.dequantize(), plain.dequantize(), judge.held[name])
-    record = {"layer": i, "name": name, **choice.record(), "names": [f"{judge.prefix}{name}"]}
+    choice = fallback.compare(lin.weight.data, res.weight.dequantize(), plain.dequantize(), judge.held[name])
+    record = {"layer": i, "name": name, **choice.record(), "clip": res.clip, "names": [f"{judge.prefix}{name}"]}
     records.append(record)
-    log.info("%s%s: held-out error awq (no scale) %.4g, rtn %.4g -> %s", judge.prefix, name, record["heldout_error"],
-             record["rtn_heldout_error"], record["choice"])
-    return (plain, None) if choice.rtn else (qw, loss)
+    log.info("%s%s: clip %.3f, held-out error awq (no scale) %.4g, rtn %.4g -> %s", judge.prefix, name, res.clip,
+             record["heldout_error"], record["rtn_heldout_error"], record["choice"])
+    return Rounded(plain, None) if choice.rtn else res
 
 
 def _log_group(i: int, record: dict) -> None:
     if "choice" in record:
-        log.info("block %d %s -> %s: scale ratio %.2f, held-out error awq %.4g, rtn %.4g -> %s", i, record["smooth"],
-                 ", ".join(record["names"]), record["ratio"], record["heldout_error"], record["rtn_heldout_error"],
-                 record["choice"])
+        log.info("block %d %s -> %s: scale ratio %.2f, clip %.3f, held-out error awq %.4g, rtn %.4g -> %s", i,
+                 record["smooth"], ", ".join(record["names"]), record["ratio"], record["clip"], record["heldout_error"],
+                 record["rtn_heldout_error"], record["choice"])
 
 
 def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
@@ -430,7 +446,7 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
                 run.report.layers.append({"layer": i, **record})
                 _log_group(i, record)
         for name, lin in linears.items():
-            qw, loss = _final_weight(name, lin, sampler, hessians, cfg, bmap, judge, run.report.layers, i)
+            qw, loss, _ = _final_weight(name, lin, sampler, hessians, cfg, bmap, judge, run.report.layers, i)
             if loss is not None:
                 run.report.layers.append({"layer": i, "name": name, "loss": loss})
             swap_linear(block, name, lin, qw)

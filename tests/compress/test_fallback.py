@@ -4,6 +4,7 @@ windows in the other half) GPTQ and AWQ keep RTN and record it, an AWQ group tha
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -129,13 +130,17 @@ def test_awq_groups_that_fall_back_are_rtn_of_the_unscaled_weights():
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_the_calibrated_result_is_kept_where_it_holds_on_held_out_windows(method):
+def test_the_calibrated_result_is_kept_where_it_holds_on_held_out_windows(method, caplog):
     model, batches = _model(misled=False)
-    report = quantize_model(model, QuantizeConfig.from_flat(**CFG, **METHODS[method]), batches)
+    with caplog.at_level(logging.INFO, logger="compress"):
+        report = quantize_model(model, QuantizeConfig.from_flat(**CFG, **METHODS[method]), batches)
     assert report.notes["fallback"]["rtn"] == 0
+    logged = sum("held-out error" in r.getMessage() for r in caplog.records)  # what -v prints
+    assert logged == (4 if "awq" in method else 7)  # AWQ: 3 groups and o_proj alone (GQA); GPTQ: each linear
     groups = {r["smooth"]: r for r in report.layers if "smooth" in r}
-    if groups:  # AWQ's scales are kept, not only its no-scale point
+    if groups:  # AWQ's scales are kept, not only its no-scale point; the clipped ranges' share is recorded
         assert groups["input_layernorm"]["choice"] == "kept" and groups["input_layernorm"]["ratio"] > 0
+        assert all(0.5 <= g["clip"] <= 1 for g in groups.values())
 
 
 def test_without_fallback_every_window_fits_and_nothing_is_judged():
