@@ -98,6 +98,8 @@ CFG = {"bits": 4, "group_size": 32, "search_tokens": 64, "grid": 5, "clip_grid":
 
 
 METHODS = {"gptq": {"method": "gptq"}, "gptq-onepass": {"method": "gptq", "sequential": False},
+           "guided-gptq": {"method": "gptq", "guided": True},
+           "guided-onepass": {"method": "gptq", "guided": True, "guided_mix": 0.5, "sequential": False},
            "awq": {"method": "awq"}, "awq-gptq": {"method": "awq", "rounding": "gptq"}}
 
 
