@@ -5,6 +5,7 @@ below them the adapter that hooks a decoder block's linears to accumulate their 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -220,6 +221,11 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
     return ExpertResult(gu.weight, dn.weight, {"gate_up_proj": gu.loss, "down_proj": dn.loss})
 
 
+def _natural(lin: nn.Linear, cfg: QuantizeConfig) -> Tensor:
+    """Each input column's group in natural order: ``g_idx`` of a weight rounded without act-order."""
+    return (torch.arange(lin.in_features) // cfg.scheme.group(lin.in_features)).to(torch.int32)
+
+
 def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], hessians: dict[str, Hessian],
                       cfg: QuantizeConfig, run: Run, held: dict[str, Hessian] | None = None, prefix: str = "") -> None:
     """GPTQ of each of a block's linears against its Hessian, swapped for its packed weight; given the Hessians of
@@ -236,8 +242,8 @@ def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], h
             record.update(choice.record(), names=[f"{prefix}{name}"])
             log.info("%s%s: held-out error gptq %.4g, rtn %.4g -> %s", prefix, name, record["heldout_error"],
                      record["rtn_heldout_error"], "rtn" if choice.rtn else "gptq")
-            if choice.rtn:
-                weight = plain
+            if choice.rtn:  # under act-order the checkpoint's linears all carry a g_idx: RTN's is the natural one
+                weight = plain if res.weight.g_idx is None else dataclasses.replace(plain, g_idx=_natural(lin, cfg))
         run.report.layers.append(record)
         if run.latents is not None:
             run.latents[lin] = res.latent

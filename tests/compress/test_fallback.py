@@ -97,7 +97,7 @@ def _model(misled: bool):
 CFG = {"bits": 4, "group_size": 32, "search_tokens": 64, "grid": 5, "clip_grid": 5}
 
 
-METHODS = {"gptq": {"method": "gptq"}, "gptq-onepass": {"method": "gptq", "sequential": False},
+METHODS = {"gptq": {"method": "gptq"}, "gptq-act-order": {"method": "gptq", "act_order": True}, "gptq-onepass": {"method": "gptq", "sequential": False},
            "guided-gptq": {"method": "gptq", "guided": True},
            "guided-onepass": {"method": "gptq", "guided": True, "guided_mix": 0.5, "sequential": False},
            "awq": {"method": "awq"}, "awq-gptq": {"method": "awq", "rounding": "gptq"}}
@@ -115,6 +115,8 @@ def test_misleading_calibration_falls_back_to_rtn_and_records_it(method):
     judged = [r for r in report.layers if "choice" in r]
     assert all(r["rtn_heldout_error"] < r["heldout_error"] for r in judged if r["choice"] == "rtn")
     assert all(r["rtn_heldout_error"] >= r["heldout_error"] for r in judged if r["choice"] == "kept")
+    act_order = METHODS[method].get("act_order", False)  # every linear carries a g_idx, or none does
+    assert all((m.g_idx is not None) == act_order for m in model.modules() if hasattr(m, "g_idx"))
 
 
 def test_awq_groups_that_fall_back_are_rtn_of_the_unscaled_weights():
