@@ -261,12 +261,20 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
         autocast = autocast_of(cfg.calib_dtype)
         hs = onepass.hessians(model, fit, cfg.ignore, cfg.gptq.guided, autocast, cfg.gptq.guided_mix,
                               cfg.gptq.guided_nsamples)
-        held = onepass.hessians(model, run.held_batches, cfg.ignore, False, autocast) if run.holdout else None
+        # the held-out windows go through the fp blocks one at a time, as the pass saw them: one block's
+        # held-out Hessians at a time, not every layer's at once
+        held_inputs = run.store.capture(model, run.held_batches) if run.holdout else None
 
         def from_pass(i: int, block: nn.Module, _) -> None:
+            nonlocal held_inputs
             linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
-            _quantize_linears(i, block, linears, {n: hs.pop((i, n)) for n in linears}, cfg, run,
-                              None if held is None else {n: held.pop((i, n)) for n in linears}, f"{prefix}.{i}.")
+            held = None
+            if held_inputs is not None:
+                held_inputs.autocast = autocast
+                held = observe(block, linears, held_inputs)
+                held_inputs = BlockInputs(held_inputs.forward(block), held_inputs.kwargs, autocast)
+            _quantize_linears(i, block, linears, {n: hs.pop((i, n)) for n in linears}, cfg, run, held,
+                              f"{prefix}.{i}.")
         run_blocks(model, from_pass, run.progress, run.store)
         return
     tw = guided.token_weights(model, fit, cfg.ignore, cfg.gptq.guided_mix,
