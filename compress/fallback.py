@@ -19,12 +19,12 @@ class Split(NamedTuple):
 
 
 def split_windows(batches: list[Tensor], share: float) -> Split:
-    """The last ``share`` of the calibration windows (rounded, at least one) held out, both parts re-batched at the
-    first batch's size; nothing is held out when fewer than two windows exist."""
+    """The last ``share`` of the calibration windows (rounded; at least one, and at least one left to fit on) held
+    out, both parts re-batched at the first batch's size; nothing is held out when fewer than two windows exist."""
     windows = torch.cat(batches)  # [n, seqlen]
     n, size = windows.shape[0], batches[0].shape[0]
-    held = max(1, round(n * share))
-    if n - held < 1:
+    held = min(max(1, round(n * share)), n - 1)
+    if held < 1:
         return Split(list(batches), [])
     return Split(list(windows[:n - held].split(size)), list(windows[n - held:].split(size)))
 

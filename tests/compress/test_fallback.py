@@ -18,7 +18,8 @@ from compress.quant import Scheme
 SCHEME = Scheme(bits=4, group_size=32, sym=False)
 
 
-@pytest.mark.parametrize("n, share, held", [(8, 0.125, 1), (8, 0.25, 2), (16, 0.125, 2), (2, 0.125, 1), (9, 0.01, 1)])
+@pytest.mark.parametrize("n, share, held", [(8, 0.125, 1), (8, 0.25, 2), (16, 0.125, 2), (2, 0.125, 1), (9, 0.01, 1),
+                                           (2, 0.9, 1), (4, 0.99, 3)])
 def test_split_holds_out_the_last_share_at_least_one(n, share, held):
     windows = torch.arange(n * 3).reshape(n, 3)
     split = fallback.split_windows(list(windows.split(4)), share)
