@@ -6,8 +6,9 @@ same steps for one MoE expert (its up -> down pair).
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
@@ -16,12 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from compress import gptq, guided, rtn
+from compress import fallback, gptq, guided, rtn
 from compress.calibrate import BlockInputs, Run, autocast_of, layers_name, run_sequential, swap_linear, target_linears
 from compress.config import QuantizeConfig
 from compress.mappings import BlockMap, Smooth, block_map
 from compress.moe import ExpertResult, intermediate
 from compress.quant import QuantizedWeight, Scheme, fake_quantize, fake_quantize_groups, group_index
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,6 +86,15 @@ class Bounds(NamedTuple):
     hi: Tensor
 
 
+def full_range(wg: Tensor, scheme: Scheme) -> Bounds:
+    """Each group's unclipped range of grouped weights ``wg: [out, G, g]``: min/max (through 0) for an asymmetric
+    grid, +-absmax for a symmetric one."""
+    if scheme.sym or scheme.format == "nf4":
+        hi = wg.abs().amax(dim=-1)
+        return Bounds(-hi, hi)
+    return Bounds(wg.amin(dim=-1).clamp(max=0), wg.amax(dim=-1).clamp(min=0))
+
+
 @torch.inference_mode()
 def search_clip(x: Tensor, w: Tensor, scheme: Scheme, grid: int = 20, max_shrink: float = 0.5,
                 chunk: int = 256) -> Bounds:
@@ -93,11 +105,7 @@ def search_clip(x: Tensor, w: Tensor, scheme: Scheme, grid: int = 20, max_shrink
     xg = _grouped(x.float(), scheme).permute(1, 0, 2)  # [G, n, g]
     gram = torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]  # [G, g, g]
     wg_all = _grouped(w.float(), scheme)  # [out, G, g]
-    if scheme.sym or scheme.format == "nf4":
-        hi_all = wg_all.abs().amax(dim=-1)
-        lo_all = -hi_all
-    else:
-        lo_all, hi_all = wg_all.amin(dim=-1).clamp(max=0), wg_all.amax(dim=-1).clamp(min=0)
+    lo_all, hi_all = full_range(wg_all, scheme)
     best_lo, best_hi = lo_all.clone(), hi_all.clone()
     for r0 in range(0, w.shape[0], chunk):  # rows in chunks bound the [G, n, rows] error tensor
         rows = slice(r0, r0 + chunk)
@@ -179,19 +187,28 @@ class _Sampler:
         return torch.cat(self.samples[name])
 
 
-def round_weight(w: Tensor, x: Tensor, H: Tensor | None, cfg: QuantizeConfig, clip: bool
-                 ) -> tuple[QuantizedWeight, float | None]:
+class Rounded(NamedTuple):
+    weight: QuantizedWeight
+    loss: float | None  # GPTQ's, when it rounded
+    clip: float = 1.0  # the clipped ranges' mean share of the full ones (1: no clipping)
+
+
+def round_weight(w: Tensor, x: Tensor, H: Tensor | None, cfg: QuantizeConfig, clip: bool) -> Rounded:
     """The last step for one smoothed linear, dense or expert: clip on the first ``clip_tokens`` rows of its
     sampled inputs ``x [n, in]``, then round by RTN (weighted by ``x``'s energy with ``weighted_range``) or,
-    given its Hessian ``H``, by GPTQ (the config's gptq options); returns the weight and GPTQ's loss."""
+    given its Hessian ``H``, by GPTQ (the config's gptq options)."""
     scheme, opts = cfg.scheme, cfg.awq
+    kept = 1.0
     if clip:
-        w = clip_weight(w, search_clip(x[:opts.clip_tokens], w, scheme, opts.clip_grid), scheme)
+        bounds = search_clip(x[:opts.clip_tokens], w, scheme, opts.clip_grid)
+        full = full_range(_grouped(w.float(), scheme), scheme)
+        kept = ((bounds.hi - bounds.lo) / (full.hi - full.lo).clamp(min=1e-12)).mean().item()
+        w = clip_weight(w, bounds, scheme)
     if H is None:
         energy = x.pow(2).mean(0) if cfg.weighted_range else None
-        return rtn.quantize_weight(w, scheme, energy), None
+        return Rounded(rtn.quantize_weight(w, scheme, energy), None, kept)
     res = gptq.quantize_weight(w, H, scheme, cfg.gptq, cfg.weighted_range)
-    return res.weight, res.loss
+    return Rounded(res.weight, res.loss, kept)
 
 
 def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap, guided: bool) -> dict[str, gptq.Hessian]:
@@ -253,10 +270,50 @@ def _scale_prev(prev: nn.Module, s: Tensor, norm_offset: float) -> None:
         w.copy_(((norm_offset + w.float()) / s - norm_offset).to(w.dtype))
 
 
+@dataclass
+class _Judge:
+    """The held-out side of one block's AWQ (compress/fallback.py): each linear's Hessian of the held-out windows
+    (observed on the fp block), the weights already rounded while judging a group (reused at the end unless a later
+    group rescales that linear's rows), the linears judged with a group, and those that fell back to plain RTN."""
+
+    held: dict[str, Tensor]
+    prefix: str
+    rounded: dict[str, Rounded] = field(default_factory=dict)
+    grouped: set[str] = field(default_factory=set)
+    plain: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Snapshot:
+    """What folding a group's scale changes (the feeding op, the linears, their sampled inputs and Hessians), kept
+    to put back exactly when the group falls back to RTN."""
+
+    params: list[tuple[Tensor, Tensor]]  # (live tensor, its copy)
+    samples: dict[str, list[Tensor]]
+    weights: list[Tensor]  # the group's linears' weights before the fold (copies)
+
+    @classmethod
+    def take(cls, prev: nn.Module, mods: list[nn.Module], names: tuple[str, ...], sampler: _Sampler,
+             hessians: dict[str, gptq.Hessian] | None) -> "_Snapshot":
+        live = [prev.weight.data] + ([prev.bias.data] if getattr(prev, "bias", None) is not None else [])
+        if hessians is not None:
+            live += list({id(hessians[n]): hessians[n].H for n in names}.values())
+        weights = [m.weight.data.clone() for m in mods]
+        params = [(t, t.clone()) for t in live] + [(m.weight.data, w) for m, w in zip(mods, weights)]
+        return cls(params, {n: sampler.samples[n] for n in names}, weights)
+
+    def restore(self, sampler: _Sampler) -> None:
+        for t, copy in self.params:
+            t.copy_(copy)
+        sampler.samples.update(self.samples)
+
+
 def _smooth(block: nn.Module, sm: Smooth, linears: dict[str, nn.Linear], sampler: _Sampler, cfg: QuantizeConfig,
-            norm_offset: float, hessians: dict[str, gptq.Hessian] | None) -> dict | None:
+            bmap: BlockMap, hessians: dict[str, gptq.Hessian] | None, judge: _Judge | None = None) -> dict | None:
     """Search one group's scale and fold it in (the feeding op / s, the linears' columns * s, their sampled
-    inputs and Hessian likewise); None where the group does not apply to this block."""
+    inputs and Hessian likewise); None where the group does not apply to this block. With a ``judge``, the group's
+    linears are clipped and rounded at once and the fold undone where plain RTN of the unscaled weights has the
+    smaller output error on the held-out windows."""
     if not all(n in linears for n in sm.linears):
         return None
     prev = block.get_submodule(sm.prev)
@@ -269,14 +326,42 @@ def _smooth(block: nn.Module, sm: Smooth, linears: dict[str, nn.Linear], sampler
     res = search_scale(sampler.x_mean(sm.linears[0]), [m.weight.data for m in mods], cfg.scheme, forward, ref,
                        cfg.awq.grid, cfg.awq.duo_scaling)
     s = res.scales
-    _scale_prev(prev, s, norm_offset)
+    snapshot = None if judge is None else _Snapshot.take(prev, mods, sm.linears, sampler, hessians)
+    _scale_prev(prev, s, bmap.norm_offset)
     for n, m in zip(sm.linears, mods):
         m.weight.data.mul_(s.to(m.weight.dtype))
         sampler.samples[n] = [torch.cat(sampler.samples[n]) / s]
     if hessians is not None:  # the inputs are now x / s: H -> H / (s s^T), once per distinct Hessian
         for h in {id(hessians[n]): hessians[n] for n in sm.linears}.values():
             h.H.div_(torch.outer(s, s))
-    return {"smooth": sm.prev, "ratio": res.ratio, "loss": res.loss, "rtn_loss": res.base_loss}
+    record = {"smooth": sm.prev, "ratio": res.ratio, "loss": res.loss, "rtn_loss": res.base_loss}
+    if judge is not None:
+        record.update(_judge_group(sm, mods, s, sampler, cfg, bmap, hessians, judge, snapshot))
+    return record
+
+
+def _judge_group(sm: Smooth, mods: list[nn.Module], s: Tensor, sampler: _Sampler, cfg: QuantizeConfig, bmap: BlockMap,
+                 hessians: dict[str, gptq.Hessian] | None, judge: _Judge, snapshot: _Snapshot) -> dict:
+    """The group's scaled, clipped, rounded weights (unscaled: ``/ s``) against RTN of its original weights on the
+    held-out windows; falls back (undoing the fold) where RTN's summed error is smaller."""
+    choices = []
+    for n, m, w0 in zip(sm.linears, mods, snapshot.weights):
+        judge.rounded[n] = round_weight(m.weight.data, sampler.x(n), None if hessians is None else hessians[n].H, cfg,
+                                        cfg.awq.clip and n not in bmap.no_clip)
+        plain = rtn.quantize_weight(w0, cfg.scheme)
+        choices.append(fallback.compare(w0, judge.rounded[n].weight.dequantize() / s, plain.dequantize(),
+                                        judge.held[n]))
+    choice = fallback.combine(choices)
+    clip = sum(judge.rounded[n].clip for n in sm.linears) / len(sm.linears)  # the AWQ candidate's, for the record
+    judge.grouped.update(sm.linears)
+    if choice.rtn:
+        snapshot.restore(sampler)
+        judge.plain.update(sm.linears)
+        for n in sm.linears:
+            judge.rounded.pop(n)
+    else:
+        judge.rounded.pop(sm.prev, None)  # its rows were rescaled: rounded again at the end
+    return {**choice.record(), "clip": clip, "names": [f"{judge.prefix}{n}" for n in sm.linears]}
 
 
 def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeConfig) -> ExpertResult:
@@ -303,34 +388,68 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
     inter = inter / s
     if h_dn is not None:
         h_dn.H.div_(torch.outer(s, s))
-    gu, gu_loss = round_weight(w_gu, x, None if h_gu is None else h_gu.H, cfg, opts.clip)
-    dn, dn_loss = round_weight(w_down, inter, None if h_dn is None else h_dn.H, cfg, opts.clip)
+    gu, gu_loss, _ = round_weight(w_gu, x, None if h_gu is None else h_gu.H, cfg, opts.clip)
+    dn, dn_loss, _ = round_weight(w_down, inter, None if h_dn is None else h_dn.H, cfg, opts.clip)
     losses = {"down_proj": res.loss, "down_proj_rtn": res.base_loss}
     if gu_loss is not None:
         losses.update(gate_up_proj_gptq=gu_loss, down_proj_gptq=dn_loss)
     return ExpertResult(gu, dn, losses)
 
 
+def _final_weight(name: str, lin: nn.Linear, sampler: _Sampler, hessians: dict[str, gptq.Hessian] | None,
+                  cfg: QuantizeConfig, bmap: BlockMap, judge: _Judge | None, records: list[dict], i: int
+                  ) -> Rounded:
+    """One linear's last step: plain RTN where its group fell back, the weight rounded while judging its group, or
+    clipped and rounded now (a linear in no group judged alone against RTN, a record appended to ``records``)."""
+    if judge is not None and name in judge.plain:
+        return Rounded(rtn.quantize_weight(lin.weight.data, cfg.scheme), None)
+    if judge is not None and name in judge.rounded:
+        return judge.rounded.pop(name)
+    res = round_weight(lin.weight.data, sampler.x(name), None if hessians is None else hessians[name].H, cfg,
+                       cfg.awq.clip and name not in bmap.no_clip)
+    if judge is None or name in judge.grouped:
+        return res
+    plain = rtn.quantize_weight(lin.weight.data, cfg.scheme)
+    choice = fallback.compare(lin.weight.data, res.weight.dequantize(), plain.dequantize(), judge.held[name])
+    record = {"layer": i, "name": name, **choice.record(), "clip": res.clip, "names": [f"{judge.prefix}{name}"]}
+    records.append(record)
+    log.info("%s%s: clip %.3f, held-out error awq (no scale) %.4g, rtn %.4g -> %s", judge.prefix, name, res.clip,
+             record["heldout_error"], record["rtn_heldout_error"], record["choice"])
+    return Rounded(plain, None) if choice.rtn else res
+
+
+def _log_group(i: int, record: dict) -> None:
+    if "choice" in record:
+        log.info("block %d %s -> %s: scale ratio %.2f, clip %.3f, held-out error awq %.4g, rtn %.4g -> %s", i,
+                 record["smooth"], ", ".join(record["names"]), record["ratio"], record["clip"], record["heldout_error"],
+                 record["rtn_heldout_error"], record["choice"])
+
+
 def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     """AWQ, block by block on the previous blocks' quantized outputs: sample, smooth each group of the
-    model's map, then clip and round each linear; then each block's MoE experts."""
+    model's map, then clip and round each linear; then each block's MoE experts. With held-out batches
+    (``run.holdout``), AWQ searches on the others and each group (each linear in no group) keeps plain RTN of its
+    unscaled weights where that is better on them (the experts, not judged, fit on every batch)."""
     bmap = block_map(model.config.model_type)
     prefix = layers_name(model)
-    tw = guided.token_weights(model, run.batches, cfg.ignore, cfg.gptq.guided_mix,
+    tw = guided.token_weights(model, run.fit_batches, cfg.ignore, cfg.gptq.guided_mix,
                                  cfg.gptq.guided_nsamples) if cfg.gptq.guided else None
 
     def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
+        fit, held = inputs.split(run.holdout)
+        judge = None if held is None else _Judge({n: h.H for n, h in gptq.observe(block, linears, held).items()},
+                                                 f"{prefix}.{i}.")
         hessians = _shared_hessians(linears, bmap, tw is not None) if cfg.awq.rounding == "gptq" else None
-        sampler = _observe(block, linears, bmap, inputs, cfg.awq.search_tokens, cfg.seed + i, hessians,
+        sampler = _observe(block, linears, bmap, fit, cfg.awq.search_tokens, cfg.seed + i, hessians,
                            None if tw is None else {n: tw.pop((i, n)) for n in linears})
         for sm in bmap.smooths:
-            record = _smooth(block, sm, linears, sampler, cfg, bmap.norm_offset, hessians)
+            record = _smooth(block, sm, linears, sampler, cfg, bmap, hessians, judge)
             if record is not None:
                 run.report.layers.append({"layer": i, **record})
+                _log_group(i, record)
         for name, lin in linears.items():
-            qw, loss = round_weight(lin.weight.data, sampler.x(name), None if hessians is None else hessians[name].H,
-                                    cfg, cfg.awq.clip and name not in bmap.no_clip)
+            qw, loss, _ = _final_weight(name, lin, sampler, hessians, cfg, bmap, judge, run.report.layers, i)
             if loss is not None:
                 run.report.layers.append({"layer": i, "name": name, "loss": loss})
             swap_linear(block, name, lin, qw)

@@ -53,6 +53,15 @@ class BlockInputs:
     def tokens(self) -> int:
         return sum(h.shape[0] * h.shape[1] for h in self.hidden)
 
+    def split(self, held: int) -> tuple["BlockInputs", "BlockInputs | None"]:
+        """The inputs of the batches a method fits on, and of the last ``held`` ones (None when 0) that judge it
+        (compress/fallback.py)."""
+        n = len(self.hidden) - held
+        if not held:
+            return self, None
+        return (BlockInputs(_part(self.hidden, 0, n), self.kwargs[:n], self.autocast),
+                BlockInputs(_part(self.hidden, n, len(self.hidden)), self.kwargs[n:], self.autocast))
+
     @torch.inference_mode()
     def forward(self, block: nn.Module) -> list[Tensor]:
         """Run ``block`` on every batch; returns its output hidden states."""
@@ -62,6 +71,10 @@ class BlockInputs:
                 out = block(h, **kw)
                 outs.append((out[0] if isinstance(out, tuple) else out).float())
         return outs
+
+
+def _part(hidden, start: int, stop: int):
+    return hidden.part(start, stop) if isinstance(hidden, DiskTensors) else hidden[start:stop]
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -187,6 +200,17 @@ class Run:
     teacher: nn.Module | None = None  # the fp model to distil from, when an earlier step kept one
     # QAT's GPTQ init (compress/qat.py): GPTQ puts each linear's pre-rounding weights here, keyed by the linear
     latents: dict[nn.Module, Tensor] | None = None
+    # the last ``holdout`` batches are held-out calibration windows: the method fits on the others and keeps RTN
+    # where it is better on these (compress/fallback.py); 0: every batch fits
+    holdout: int = 0
+
+    @property
+    def fit_batches(self) -> list[Tensor] | None:
+        return self.batches[:len(self.batches) - self.holdout] if self.batches is not None else None
+
+    @property
+    def held_batches(self) -> list[Tensor]:
+        return self.batches[len(self.batches) - self.holdout:] if self.holdout else []
 
 
 def autocast_of(calib_dtype: str) -> torch.dtype | None:

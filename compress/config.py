@@ -145,6 +145,10 @@ class QuantizeConfig:
     rotate: str = "none"
     # the final rounding picks each group's range by the activation-weighted error (gptq's grid, awq's rtn)
     weighted_range: bool = False
+    # gptq and awq keep plain RTN per layer (per AWQ smoothing group) where it is better on the last holdout share
+    # of the calibration windows, which the method does not fit on (compress/fallback.py)
+    fallback: bool = True
+    holdout: float = 0.125
     # fp linears kept as they are (regular expressions searched in full module names)
     ignore: tuple[str, ...] = ("lm_head",)
     train_dtype: str = "bfloat16"  # autocast dtype of training forwards (qat and uptraining); float32 disables
@@ -177,6 +181,8 @@ class QuantizeConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.calib_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"calib_dtype={self.calib_dtype!r} must be float32 or bfloat16")
+        if not 0 < self.holdout < 1:
+            raise ValueError(f"holdout={self.holdout} must be a share in (0, 1), e.g. 0.125")
         if self.rotate not in ROTATIONS:
             raise ValueError(f"rotate={self.rotate!r} is unknown; use one of {ROTATIONS}")
         self._validate_rounding()

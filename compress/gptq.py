@@ -5,6 +5,8 @@ below them the adapter that hooks a decoder block's linears to accumulate their 
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -12,13 +14,15 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from compress import guided, onepass
+from compress import fallback, guided, onepass, rtn
 from compress.calibrate import (BlockInputs, Run, autocast_of, layers_name, run_blocks, run_sequential, swap_linear,
                                target_linears)
 from compress.config import GPTQOptions, QuantizeConfig
 from compress.hessian import Hessian, InputOwners
 from compress.moe import ExpertResult, intermediate
 from compress.quant import QuantizedWeight, Scheme, find_params, mse_params, weighted_range_params
+
+log = logging.getLogger(__name__)
 
 GroupParams = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]  # (w [out, k], H diagonal [k])
 
@@ -217,40 +221,72 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
     return ExpertResult(gu.weight, dn.weight, {"gate_up_proj": gu.loss, "down_proj": dn.loss})
 
 
+def _natural(lin: nn.Linear, cfg: QuantizeConfig) -> Tensor:
+    """Each input column's group in natural order: ``g_idx`` of a weight rounded without act-order."""
+    return (torch.arange(lin.in_features) // cfg.scheme.group(lin.in_features)).to(torch.int32)
+
+
 def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], hessians: dict[str, Hessian],
-                      cfg: QuantizeConfig, run: Run) -> None:
-    """GPTQ of each of a block's linears against its Hessian, swapped for its packed weight."""
+                      cfg: QuantizeConfig, run: Run, held: dict[str, Hessian] | None = None, prefix: str = "") -> None:
+    """GPTQ of each of a block's linears against its Hessian, swapped for its packed weight; given the Hessians of
+    held-out windows (``held``), RTN's weight where its output error there is smaller (compress/fallback.py)."""
     for name, lin in linears.items():
         h = hessians.pop(name)
         shared = any(other is h for other in hessians.values())  # q/k/v: the last of them takes it
         res = quantize_weight(lin.weight.data, h.H if shared else h.release(), cfg.scheme, cfg.gptq, cfg.weighted_range,
                               keep_latent=run.latents is not None)
-        run.report.layers.append({"layer": i, "name": name, "loss": res.loss})
+        record, weight = {"layer": i, "name": name, "loss": res.loss}, res.weight
+        if held is not None:
+            plain = rtn.quantize_weight(lin.weight.data, cfg.scheme)
+            choice = fallback.compare(lin.weight.data, res.weight.dequantize(), plain.dequantize(), held[name].H)
+            record.update(choice.record(), names=[f"{prefix}{name}"])
+            log.info("%s%s: held-out error gptq %.4g, rtn %.4g -> %s", prefix, name, record["heldout_error"],
+                     record["rtn_heldout_error"], "rtn" if choice.rtn else "gptq")
+            if choice.rtn:  # under act-order the checkpoint's linears all carry a g_idx: RTN's is the natural one
+                weight = plain if res.weight.g_idx is None else dataclasses.replace(plain, g_idx=_natural(lin, cfg))
+        run.report.layers.append(record)
         if run.latents is not None:
             run.latents[lin] = res.latent
-        swap_linear(block, name, lin, res.weight)
+        swap_linear(block, name, lin, weight)
 
 
 def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     """GPTQ, block by block on the previous blocks' quantized outputs, then each block's MoE experts; or, with
-    ``sequential: false``, every Hessian from one pass of the fp model first (compress/onepass.py)."""
+    ``sequential: false``, every Hessian from one pass of the fp model first (compress/onepass.py). With held-out
+    batches (``run.holdout``), GPTQ fits on the others and each linear keeps RTN where that is better on them (the
+    MoE experts, not judged, fit on every batch)."""
     prefix = layers_name(model)
+    fit = run.fit_batches
     if not cfg.gptq.sequential:
-        hs = onepass.hessians(model, run.batches, cfg.ignore, cfg.gptq.guided, autocast_of(cfg.calib_dtype),
-                              cfg.gptq.guided_mix, cfg.gptq.guided_nsamples)
+        autocast = autocast_of(cfg.calib_dtype)
+        hs = onepass.hessians(model, fit, cfg.ignore, cfg.gptq.guided, autocast, cfg.gptq.guided_mix,
+                              cfg.gptq.guided_nsamples)
+        # the held-out windows go through the fp blocks one at a time, as the pass saw them: one block's
+        # held-out Hessians at a time, not every layer's at once
+        held_inputs = run.store.capture(model, run.held_batches) if run.holdout else None
 
         def from_pass(i: int, block: nn.Module, _) -> None:
+            nonlocal held_inputs
             linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
-            _quantize_linears(i, block, linears, {n: hs.pop((i, n)) for n in linears}, cfg, run)
+            held = None
+            if held_inputs is not None:
+                held_inputs.autocast = autocast
+                held = observe(block, linears, held_inputs)
+                held_inputs = BlockInputs(held_inputs.forward(block), held_inputs.kwargs, autocast)
+            _quantize_linears(i, block, linears, {n: hs.pop((i, n)) for n in linears}, cfg, run, held,
+                              f"{prefix}.{i}.")
         run_blocks(model, from_pass, run.progress, run.store)
         return
-    tw = guided.token_weights(model, run.batches, cfg.ignore, cfg.gptq.guided_mix,
+    tw = guided.token_weights(model, fit, cfg.ignore, cfg.gptq.guided_mix,
                                  cfg.gptq.guided_nsamples) if cfg.gptq.guided else None
 
     def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
         weights = None if tw is None else {n: tw.pop((i, n)) for n in linears}
-        _quantize_linears(i, block, linears, observe(block, linears, inputs, weights), cfg, run)
+        fit_inputs, held_inputs = inputs.split(run.holdout)
+        held = None if held_inputs is None else observe(block, linears, held_inputs)
+        _quantize_linears(i, block, linears, observe(block, linears, fit_inputs, weights), cfg, run, held,
+                          f"{prefix}.{i}.")
         if run.experts is not None:
             run.report.layers.extend(run.experts(i, block, inputs, partial(quantize_expert, cfg=cfg)))
     run_sequential(model, run.batches, per_block, run.progress, autocast_of(cfg.calib_dtype), run.store)

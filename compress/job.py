@@ -47,6 +47,10 @@ class QuantizeSummary:
             q = notes["qat"]
             out.append(f"qat: {q['steps']} steps from {q['init']}, KL {q['loss_first']:.4f} -> {q['loss_last']:.4f} "
                        f"in {q['train_seconds']:.0f} s")
+        if "fallback" in notes:
+            f = notes["fallback"]
+            out.append(f"fallback: {f['rtn']} of {f['judged']} layers kept RTN, better on {f['heldout_windows']} "
+                       "held-out calibration windows")
         out.append(f"size: {_mb(self.fp_bytes)} (fp) -> {_mb(self.out_bytes)} "
                    f"({self.fp_bytes / max(self.out_bytes, 1):.2f}x smaller)")
         out.append(f"time: {self.seconds:.1f} s (quantization {self.report.seconds:.1f} s), peak memory "
@@ -151,12 +155,14 @@ def _calibration(cfg: QuantizeConfig, tokenizer):
                                              "seed": cfg.seed}
 
 
-def _quantization_config(model, cfg: QuantizeConfig, calibration: dict, recipe: str | None, src) -> dict:
+def _quantization_config(model, cfg: QuantizeConfig, calibration: dict, recipe: str | None, src,
+                         report: QuantizeReport) -> dict:
     from compress.checkpoint import build_quantization_config
 
+    fell = {"fallback": report.notes["fallback"]} if "fallback" in report.notes else {}  # the layers kept at RTN
     return build_quantization_config(model, cfg.method, cfg.scheme, cfg.gptq.act_order and not cfg.gptq.static_groups,
                                      calibration, extra={"recipe": recipe, "source_model": src.name,
-                                                         "config": cfg.to_dict()})
+                                                         "config": cfg.to_dict(), **fell})
 
 
 def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max_memory, offload):
@@ -180,7 +186,8 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
         report = quantize_model(model, cfg, batches, progress, store=store)
         store.finish(plan)
         empty_outer(model, plan)  # the skeleton now describes what was written
-        write_side_files(model, folder, tokenizer, tmp, _quantization_config(model, cfg, calibration, recipe, src))
+        write_side_files(model, folder, tokenizer, tmp,
+                         _quantization_config(model, cfg, calibration, recipe, src, report))
     blocks = store.stats.block_seconds
     memory = {"estimate_bytes": estimate.peak, "largest_block_bytes": store.stats.block_bytes,
               "seconds_per_block": sum(blocks) / max(len(blocks), 1), "activations_offloaded": offloaded}
@@ -212,7 +219,7 @@ def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_rem
     store = BlockStore(_offload_dir(out) if offloaded else None)
     report = quantize_model(model, cfg, batches, progress, train_progress, store)
     quantize_outer(model, plan_outer(cfg, tied(model)))
-    save_quantized(model, tokenizer, out, _quantization_config(model, cfg, calibration, recipe, src),
+    save_quantized(model, tokenizer, out, _quantization_config(model, cfg, calibration, recipe, src, report),
                    overwrite=overwrite, dtypes=dtypes)
     memory = {"estimate_bytes": estimate.peak} if estimate else {}
     return report, fp_bytes, {**memory, "activations_offloaded": offloaded}, estimate

@@ -37,6 +37,12 @@ class DiskTensors(Sequence):
     def __len__(self) -> int:
         return len(self.paths)
 
+    def part(self, start: int, stop: int) -> "DiskTensors":
+        """A view of the files ``start:stop`` (it keeps this container, whose folder they live in, alive)."""
+        view = DiskTensors.__new__(DiskTensors)
+        view.root, view.folder, view.paths, view._whole = self.root, self.folder, self.paths[start:stop], self
+        return view
+
     def sibling(self) -> "DiskTensors":
         """An empty container beside this one (a block's outputs, next to its inputs)."""
         return DiskTensors(self.root)

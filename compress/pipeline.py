@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from torch import Tensor, nn
 
-from compress import awq, gptq, gqa, moe, nf4, qat, rotate, rtn
+from compress import awq, fallback, gptq, gqa, moe, nf4, qat, rotate, rtn
 from compress.calibrate import IN_MEMORY, BlockStore, Progress, QuantizeReport, Run, TrainProgress, layers_name
 from compress.config import QuantizeConfig
 
@@ -26,6 +26,8 @@ METHODS: dict[str, Method] = {  # the names compress/config.py accepts (METHODS)
     "nf4": nf4.quantize,
     "qat": qat.quantize,
 }
+
+FALLBACK_METHODS = ("gptq", "awq")  # the methods that keep RTN where it is better on held-out windows
 
 
 def _convert_kv_heads(model: nn.Module, cfg: QuantizeConfig, batches, report: QuantizeReport,
@@ -65,6 +67,14 @@ def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] 
         report.notes["rotate"] = vars(rotate.rotate_model(model, cfg.rotate, cfg.seed))
     teacher = _convert_kv_heads(model, cfg, batches, report, progress, train_progress) if cfg.kv_heads else None
     experts = None if layout is None else moe.BlockExperts(layout, cfg, layers_name(model))
-    METHODS[cfg.method](model, cfg, Run(report, batches, progress, train_progress, store, experts, teacher))
+    held = 0
+    if cfg.fallback and cfg.method in FALLBACK_METHODS and batches:
+        split = fallback.split_windows(batches, cfg.holdout)
+        batches, held = split.fit + split.held, len(split.held)
+    run = Run(report, batches, progress, train_progress, store, experts, teacher, holdout=held)
+    METHODS[cfg.method](model, cfg, run)
+    if held:
+        decisions = {n: r["choice"] for r in report.layers if "choice" in r for n in r["names"]}
+        report.notes["fallback"] = fallback.summary(decisions, sum(b.shape[0] for b in run.held_batches))
     report.seconds = time.perf_counter() - t0
     return report

@@ -25,28 +25,31 @@ GPTQ = _names(GPTQOptions) - {"block_size"}
 AWQ = _names(AWQOptions)
 QAT = _names(QATOptions)
 SCHEME = {"bits", "group_size", "sym", "ignore"}
+FALLBACK = {"fallback", "holdout"}  # the windows held out to judge the calibrated result against RTN's
 
 # the fields each method reads itself (the pipeline-level steps' fields are tested below)
 READS = {
     "rtn": SCHEME,
     "nf4": SCHEME - {"bits", "sym"},
-    "gptq": SCHEME | {"calib_dtype", "weighted_range"} | GPTQ,
-    "awq": SCHEME | {"calib_dtype", "weighted_range", "seed"} | AWQ | GPTQ - {"sequential"},  # under rounding: gptq
+    "gptq": SCHEME | {"calib_dtype", "weighted_range"} | GPTQ | FALLBACK,
+    "awq": SCHEME | {"calib_dtype", "weighted_range", "seed"} | AWQ | GPTQ - {"sequential"} | FALLBACK,  # rounding: gptq
     "qat": SCHEME | {"seed", "batch_size", "train_dtype"} | QAT
            | {"calib_dtype", "weighted_range"} | AWQ - {"rounding"},  # the awq options under init: awq
 }
 # a MoE model's experts read the same (qat refuses MoE models), and how many routed tokens calibrate one
 # (guided GPTQ weights the dense linears' tokens only: the experts are compared alone here, so it is not listed;
 # sequential: false is refused on a MoE model, tests/compress/test_onepass.py)
-MOE_READS = {m: READS[m] - {"guided", "guided_mix", "guided_nsamples", "sequential"} | ({"moe_min_tokens"} if m in ("gptq", "awq") else set())
-             for m in ("rtn", "nf4", "gptq", "awq")}
+# the experts are not judged against RTN: they fit on every calibration window, held out or not
+MOE_READS = {m: READS[m] - {"guided", "guided_mix", "guided_nsamples", "sequential"} - FALLBACK
+             | ({"moe_min_tokens"} if m in ("gptq", "awq") else set()) for m in ("rtn", "nf4", "gptq", "awq")}
 # the settings under which a field matters
 CONTEXT = {**{("awq", f): {"rounding": "gptq"} for f in GPTQ},
            ("gptq", "guided_mix"): {"guided": True}, ("awq", "guided_mix"): {"rounding": "gptq", "guided": True},
            ("gptq", "guided_nsamples"): {"guided": True, "guided_mix": 0.5},
            ("awq", "guided_nsamples"): {"rounding": "gptq", "guided": True, "guided_mix": 0.5},
            **{("qat", f): {"init": "awq"} for f in AWQ | {"calib_dtype", "weighted_range"}},
-           ("qat", "learn_zero"): {"steps": 4, "scale_lr": 0.9}}  # zeros move only where codes clamp
+           ("qat", "learn_zero"): {"steps": 4, "scale_lr": 0.9},
+           ("gptq", "holdout"): {"fallback": True}, ("awq", "holdout"): {"fallback": True, "group_size": 16}}  # AWQ keeps some groups  # zeros move only where codes clamp
 # read before any method (rotation, KV-head conversion and its uptraining), by compress/pipeline.py
 PIPELINE = {"rotate", "kv_heads", "kv_init", "kv_fit_steps", "kv_fit_lr", "uptrain_steps", "uptrain_lr",
             "uptrain_scope"}
@@ -79,6 +82,8 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
     # min/max rounding gives zero 0, which these random models lack: tests/compress/test_quant.py tests it
     "zero_floor": {**{m: "changes no group of these random models" for m in ("rtn", "gptq", "awq", "qat")},
                    "nf4": REFUSED},
+    **{f: {m: "nothing calibrated to judge against RTN (qat's init fits on every window)" for m in ("rtn", "nf4", "qat")}
+       for f in FALLBACK},
     "moe_min_tokens": {**{m: "refused on a dense model; data-free experts count no tokens" for m in DATA_FREE},
                        **{m: "refused on a dense model (compress/moe.py)" for m in ("gptq", "awq", "qat")}},
 }
@@ -89,13 +94,15 @@ CHANGE = {
     "weighted_range": True,
     "grid": 3, "duo_scaling": False, "clip": False, "search_tokens": 8, "clip_tokens": 4, "clip_grid": 4,
     "rounding": "gptq", "init": "awq", "steps": 3, "lr": 1e-2, "scale_lr": 0.0, "learn_zero": True, "lr_in_steps": True,
-    "self_data": 0.5,
+    "self_data": 0.5, "fallback": True, "holdout": 0.25,
     "train_dtype": "bfloat16", "ignore": ("lm_head", "o_proj"), "moe_min_tokens": 10_000, "zero_floor": 1,
 }
 # a MoE model's other linears stay fp, so its experts see the same routed tokens whatever the dense path does
 MOE_FP = ("lm_head", r"self_attn\.", "shared_expert")
 MOE_CHANGE = {"ignore": (*MOE_FP, r"mlp\.experts$")}
-BASE = {"bits": 4, "group_size": 32, "search_tokens": 16, "grid": 5, "clip_grid": 5}  # small searches: fast
+# small searches: fast; no fallback (on 16-token random windows RTN wins nearly everywhere: it would hide the
+# method's own fields), which a test of its own turns on
+BASE = {"bits": 4, "group_size": 32, "search_tokens": 16, "grid": 5, "clip_grid": 5, "fallback": False}
 METHOD_BASE = {"qat": {"steps": 2, "lr": 1e-3, "scale_lr": 0.4, "batch_size": 2, "train_dtype": "float32"}}
 KIND_BASE = {"dense": {}, "moe": {"moe_min_tokens": 8, "ignore": MOE_FP}}
 # fields that need more than one block to matter (one block's inputs are the embeddings whatever the order)

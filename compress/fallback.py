@@ -1,0 +1,73 @@
+"""Never worse than RTN, by construction (issue 34): a calibrated method keeps plain round-to-nearest as a candidate
+for each layer (each AWQ smoothing group) and keeps its own result only where that result's output error is no larger
+on calibration windows it did not fit on. Pure functions: the split of the windows, a weight's held-out output error,
+the choice, and the summary the report and the checkpoint carry; the methods' adapters call them and log."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class Split(NamedTuple):
+    """The calibration batches a method fits on, and the held-out ones that judge its result."""
+
+    fit: list[Tensor]
+    held: list[Tensor]
+
+
+def split_windows(batches: list[Tensor], share: float) -> Split:
+    """The last ``share`` of the calibration windows (rounded; at least one, and at least one left to fit on) held
+    out, both parts re-batched at the first batch's size; nothing is held out when fewer than two windows exist."""
+    windows = torch.cat(batches)  # [n, seqlen]
+    n, size = windows.shape[0], batches[0].shape[0]
+    held = min(max(1, round(n * share)), n - 1)
+    if held < 1:
+        return Split(list(batches), [])
+    return Split(list(windows[:n - held].split(size)), list(windows[n - held:].split(size)))
+
+
+def output_error(delta: Tensor, H: Tensor) -> float:
+    """``sum_rows delta H delta^T``: the squared output error of a weight off by ``delta: [out, in]`` on the inputs
+    whose second moment is ``H: [in, in]`` (a Hessian of the held-out windows)."""
+    d = delta.float()
+    return (d @ H.float() * d).sum().item()
+
+
+@dataclass
+class Choice:
+    """One layer's (or one smoothing group's) held-out output errors: the calibrated result's and RTN's; ``energy``
+    is the fp output's own (the errors relative to it are what ``-v`` logs)."""
+
+    error: float
+    rtn_error: float
+    energy: float
+
+    @property
+    def rtn(self) -> bool:
+        """RTN wins only when strictly better: a tie keeps the calibrated result."""
+        return self.rtn_error < self.error
+
+    def record(self) -> dict:
+        return {"heldout_error": self.error / max(self.energy, 1e-30),
+                "rtn_heldout_error": self.rtn_error / max(self.energy, 1e-30), "choice": "rtn" if self.rtn else "kept"}
+
+
+def compare(w: Tensor, calibrated: Tensor, rtn: Tensor, H: Tensor) -> Choice:
+    """The held-out errors of two effective (dequantized, unscaled) weights of the fp weight ``w: [out, in]``."""
+    w = w.float()
+    zero = torch.zeros_like(w)
+    return Choice(output_error(w - calibrated.float(), H), output_error(w - rtn.float(), H), output_error(w - zero, H))
+
+
+def combine(choices: list[Choice]) -> Choice:
+    """A smoothing group's choice: its linears' errors summed (they fall back together or not at all)."""
+    return Choice(sum(c.error for c in choices), sum(c.rtn_error for c in choices), sum(c.energy for c in choices))
+
+
+def summary(decisions: dict[str, str], held_windows: int) -> dict:
+    """What the checkpoint's quantization_config and the run's report carry: each judged layer's choice, counts."""
+    fell = {name: c for name, c in decisions.items() if c == "rtn"}
+    return {"heldout_windows": held_windows, "judged": len(decisions), "rtn": len(fell), "layers": fell}
