@@ -95,9 +95,13 @@ def declared_dtype(src: ModelSource) -> torch.dtype | None:
         entries = ShardReader(src.path).entries
     except (FileNotFoundError, ValueError):
         return None
-    floats = [e.dtype for k, e in entries.items() if e.dtype.is_floating_point]
+    floats = [e.dtype for k, e in entries.items() if e.dtype.is_floating_point and not k.endswith(".scales")]
     embed = [e.dtype for k, e in entries.items() if k.endswith("embed_tokens.weight")]
-    return (embed or floats or [None])[0]
+    # a quantized table has codes and fp16 scales, no weight: the fp tensors outside the blocks (the final norm)
+    # keep the source's dtype, where the blocks' own norms are stored in the fp32 they were computed in
+    outer = [e.dtype for k, e in entries.items() if e.dtype.is_floating_point and ".layers." not in k
+             and not k.endswith(".scales")]
+    return (embed or outer or floats or [None])[0]
 
 
 def _check_weights(src: ModelSource, allow_pickle: bool) -> None:

@@ -145,10 +145,14 @@ def test_quantize_keeps_the_source_dtype_and_exports_follow_it(tmp_path, stream)
     model = tiny_model("llama").to(torch.bfloat16)
     model.save_pretrained(tmp_path / "fp")
     byte_tokenizer().save_pretrained(tmp_path / "fp")
-    quantize(str(tmp_path / "fp"), recipe="rtn4", out=tmp_path / "q", stream=stream, group_size=32)
+    quantize(str(tmp_path / "fp"), recipe="rtn4", out=tmp_path / "q", stream=stream, group_size=32, embed="none",
+             head="none")
     entries = ShardReader(tmp_path / "q").entries
     outer = {k: e.dtype for k, e in entries.items() if ".layers." not in k}
     assert outer and set(outer.values()) == {torch.bfloat16}, outer
     assert declared_dtype(resolve(str(tmp_path / "q"))) == torch.bfloat16
     out = export(str(tmp_path / "q"), "compressed-tensors", tmp_path / "ct")
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # with the recipe's int8 table the fp tensors left (norms) still say bf16, not the fp16 of the table's scales
+    quantize(str(tmp_path / "fp"), recipe="rtn4", out=tmp_path / "q8", stream=stream, group_size=32)
+    assert declared_dtype(resolve(str(tmp_path / "q8"))) == torch.bfloat16
