@@ -93,6 +93,21 @@ def module_entry(m: QuantLinear) -> dict:
     return {**m.scheme.to_dict(), "act_order": m.g_idx is not None}
 
 
+def outer_entries(model: nn.Module) -> dict:
+    """``quantization_config["embed"]`` and ``["head"]``: the quantized embedding and head, or None each."""
+    emb = model.get_input_embeddings()
+    embed = None
+    if isinstance(emb, QuantEmbedding):
+        name = next(n for n, m in model.named_modules() if m is emb)
+        embed = {"name": name, **emb.scheme.to_dict()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    entry = None
+    if isinstance(head, QuantLinear):
+        entry = {"name": next(n for n, m in model.named_modules() if m is head),
+                 "tied": bool(getattr(head, "tied", False)), "method": "rtn", **head.scheme.to_dict()}
+    return {"embed": embed, "head": entry}
+
+
 def build_quantization_config(model: nn.Module, method: str, scheme: Scheme, act_order: bool = False,
                               calibration: dict | None = None, extra: dict | None = None) -> dict:
     qmods = quantized_modules(model)
@@ -100,7 +115,6 @@ def build_quantization_config(model: nn.Module, method: str, scheme: Scheme, act
     ragged = {n: m.in_features % m.scheme.group(m.in_features) for n, m in qmods.items()
               if m.in_features % m.scheme.group(m.in_features)}
     moe = moe_entries(model)  # packed MoE experts (compress/moe_packed.py), listed only when present
-    from compress.embed_head import outer_entries
     return {
         "quant_method": "compress", "version": FORMAT_VERSION, "packing": PACKING, "method": method,
         **scheme.to_dict(), "act_order": act_order,

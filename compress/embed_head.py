@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from compress.checkpoint import set_module
 from compress.qlinear import QuantEmbedding, QuantLinear
 from compress.quant import Scheme, compute_qparams, pack, quantize
 
@@ -95,8 +96,6 @@ def _scale_of(emb: nn.Module) -> float | None:
 def quantize_outer(model: nn.Module, plan: OuterPlan) -> None:
     """In place: the embedding becomes a :class:`QuantEmbedding` and the head a QuantLinear as ``plan`` says (a
     tied head reads the embedding's buffers)."""
-    from compress.checkpoint import set_module
-
     if plan.embed is not None:
         emb = model.get_input_embeddings()
         q = quantize_table(row_slabs(emb.weight), emb.num_embeddings, emb.embedding_dim, plan.embed, _scale_of(emb))
@@ -116,8 +115,6 @@ def quantize_outer(model: nn.Module, plan: OuterPlan) -> None:
 def empty_outer(model: nn.Module, plan: OuterPlan) -> None:
     """In place, on a (meta) skeleton: the modules :func:`quantize_outer` would make, without values (the streamed
     path writes the codes itself and describes the checkpoint from this)."""
-    from compress.checkpoint import set_module
-
     if plan.embed is not None:
         emb = model.get_input_embeddings()
         q = QuantEmbedding(emb.num_embeddings, emb.embedding_dim, plan.embed, device="meta",
@@ -135,18 +132,3 @@ def empty_outer(model: nn.Module, plan: OuterPlan) -> None:
 def head_name(model: nn.Module) -> str:
     head = model.get_output_embeddings()
     return next(n for n, m in model.named_modules() if m is head)
-
-
-def outer_entries(model: nn.Module) -> dict:
-    """``quantization_config["embed"]`` and ``["head"]``: the quantized embedding and head, or None each."""
-    emb = model.get_input_embeddings()
-    embed = None
-    if isinstance(emb, QuantEmbedding):
-        name = next(n for n, m in model.named_modules() if m is emb)
-        embed = {"name": name, **emb.scheme.to_dict()}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    entry = None
-    if isinstance(head, QuantLinear):
-        entry = {"name": head_name(model), "tied": bool(getattr(head, "tied", False)), "method": "rtn",
-                 **head.scheme.to_dict()}
-    return {"embed": embed, "head": entry}

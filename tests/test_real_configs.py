@@ -155,10 +155,20 @@ def test_per_linear_exports(folders, real, tmp_path):
 
     src = folders(real, CALIBRATED[real.id])
     tiny = tiny_config(real)
+    head = json.loads((src / "config.json").read_text())["quantization_config"].get("head") or {}
     for fmt in _per_linear(real.model_type):
+        if fmt == "awq" and head and not head["tied"] and head["bits"] != 4:  # the recipes' untied int8 head
+            with pytest.raises(ValueError, match="--head none"):  # AWQ's GEMM layout is 4-bit only
+                export(str(src), fmt, tmp_path / fmt)
+            continue
         out = export(str(src), fmt, tmp_path / fmt)
         cfg = json.loads((out / "config.json").read_text())
         assert {k: cfg.get(k) for k in ID_KEYS} == {k: getattr(tiny, k, None) for k in ID_KEYS}
+    if head and not head["tied"] and head["bits"] == 8:
+        # transformers' compressed-tensors loader dequantizes 4-bit packed weights only (the 8-bit head is checked
+        # 8-bit packed weights are decompressed bit for bit by the compressed_tensors library in
+        # tests/compress/exporters/test_compressed_tensors.py)
+        return
     ids = torch.randint(3, KEPT_IDS, (1, 12), generator=torch.Generator().manual_seed(3))
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "compressed-tensors",
                                                   quantization_config=CompressedTensorsConfig(dequantize=True))
