@@ -255,15 +255,42 @@ def require(model_type: str, step: str, why: str = "") -> Family:
 
 # what every step reads from a decoder's config.json
 REQUIRED_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# rope_type -> the parameters its frequencies are computed from, which no default stands in for (transformers only
+# warns when one is absent, and the model then fails deep inside its first forward or the export)
+ROPE_FIELDS = {"default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+               "longrope": ("short_factor", "long_factor"),
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def check_rope(config: dict, what: str = "this model") -> None:
+    """Refuse rope parameters that name a rope type without the values its frequencies need, naming them."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    groups = params.values() if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    for p in groups:  # one rotary, or one per layer type (Gemma 3's local and global)
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind not in ROPE_FIELDS:
+            continue  # a type the steps that use rope refuse themselves, naming the ones they handle
+        lacks = [k for k in ROPE_FIELDS[kind] if p.get(k) is None
+                 and not (k == "original_max_position_embeddings" and config.get(k) is not None)]
+        if lacks:
+            raise ValueError(f"{what}'s config.json sets rope_type {kind!r} without {', '.join(lacks)} (model_type "
+                             f"{config.get('model_type')!r}); copy them from the published config.json's "
+                             "rope_scaling (or rope_parameters)")
+
+
+def check_fields(config: dict, what: str = "this model") -> None:
+    """Refuse, naming them, the fields of a ``config.json`` dict every step reads and nothing can default."""
+    missing = [f for f in REQUIRED_FIELDS if config.get(f) is None]
+    if missing:
+        raise ValueError(f"{what}'s config.json lacks {', '.join(missing)} (model_type "
+                         f"{config.get('model_type')!r}); a decoder-only causal LM config is expected")
+    check_rope(config, what)
 
 
 def check_config(config: dict, trust_remote_code: bool = False, what: str = "this model") -> str:
     """The model type of a ``config.json`` dict, after the checks every step needs before reading weights:
     the fields it reads are there, and a model that needs its own Python code has ``trust_remote_code``."""
-    missing = [f for f in REQUIRED_FIELDS if config.get(f) is None]
-    if missing:
-        raise ValueError(f"{what}'s config.json lacks {', '.join(missing)} (model_type "
-                         f"{config.get('model_type')!r}); a decoder-only causal LM config is expected")
+    check_fields(config, what)
     mt = config["model_type"]
     from transformers import CONFIG_MAPPING
 

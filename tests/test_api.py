@@ -74,8 +74,35 @@ def _folder(tmp_path, **config):
     ({"auto_map": {"AutoModelForCausalLM": "m.M"}, "model_type": "mine"}, "rtn4", {}, "--trust-remote-code"),
     ({"model_type": "not_a_model"}, "rtn4", {}, "'not_a_model' .* unknown to this transformers"),
     ({"num_attention_heads": None}, "rtn4", {}, "lacks num_attention_heads"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 32.0}}, "rtn4", {},
+     "rope_type 'llama3' without low_freq_factor, high_freq_factor, original_max_position_embeddings"),
 ])
 def test_a_family_a_step_cannot_handle_is_refused_before_loading(tmp_path, config, recipe, overrides, msg):
     with pytest.raises(ValueError, match=msg):
         compress.quantize(str(_folder(tmp_path, **config)), recipe=recipe, out=tmp_path / "q", **overrides)
     assert not (tmp_path / "q").exists()
+
+
+LLAMA3_WITHOUT_FACTORS = {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                                  "original_max_position_embeddings": 8192}}
+
+
+def test_export_and_serve_name_a_missing_rope_field_before_loading(tmp_path):
+    from runtime.models.loader import open_checkpoint
+
+    folder = _folder(tmp_path, **LLAMA3_WITHOUT_FACTORS)
+    with pytest.raises(ValueError, match="'llama3' without low_freq_factor, high_freq_factor \\(model_type 'llama'"):
+        compress.export(str(folder), "onnx", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match="'llama3' without low_freq_factor"):
+        open_checkpoint(str(folder))
+
+
+def test_rope_fields_per_layer_type_and_top_level_original_positions():
+    from compress.families import check_rope
+
+    check_rope({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0}, "original_max_position_embeddings": 8192})
+    with pytest.raises(ValueError, match="rope_type 'linear' without factor"):
+        check_rope({"rope_parameters": {"full_attention": {"rope_type": "linear"},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})

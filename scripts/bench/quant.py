@@ -1,6 +1,9 @@
 """Quantization benchmark: every recipe side by side with the fp baseline and llm-compressor, in one run.
 
   .venv/bin/python scripts/bench/quant.py [--recipes rtn4,awq4,gptq4] [--llmc rtn,gptq,awq] [--tasks ...]
+  .venv/bin/python scripts/bench/quant.py --model runs/smollm2-off-grid --runs runs/bench-off-grid --llmc ""
+
+Rows already scored under ``--runs`` (its quant.json) are kept, not run again: a long run resumes where it stopped.
 
 Same fp model (SmolLM2-135M, dequantized from the embedded GGUF), same 128 x 512 calibration tokens
 (wiki calibration split, seed 0), same evaluation windows (first 64 non-overlapping 512-token windows
@@ -23,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import window_ppl  # noqa: E402
 
-RUNS = ROOT / "runs" / "bench"
+RUNS = ROOT / "runs" / "bench"  # --runs replaces it (one folder per model: its fp copy, tokens and rows)
 
 
 def eval_windows(tokenizer, source: str, seqlen: int, n: int) -> torch.Tensor:
@@ -34,11 +37,12 @@ def eval_windows(tokenizer, source: str, seqlen: int, n: int) -> torch.Tensor:
     return windows[:n]
 
 
-def prepare(args) -> tuple[Path, Path, dict]:
+def prepare(args, base: dict | None) -> tuple[Path, Path, dict]:
+    """The fp copy and the token windows under ``--runs`` (made once), and the baseline's row (``base`` if scored)."""
     from compress.data import calibration_batches
     from compress.models import load_model
 
-    fp_dir, tok_path = RUNS / "fp", RUNS / "tokens.pt"
+    fp_dir, tok_path = Path(args.runs) / "fp", Path(args.runs) / "tokens.pt"
     model, tok, _ = load_model(args.model)
     if not (fp_dir / "config.json").exists():
         model.save_pretrained(fp_dir)
@@ -48,6 +52,8 @@ def prepare(args) -> tuple[Path, Path, dict]:
                   "eval": {s: eval_windows(tok, s, 512, args.windows) for s in ("wiki", "lambada")}}
         torch.save(tokens, tok_path)
     tokens = torch.load(tok_path)
+    if base is not None:
+        return fp_dir, tok_path, base
     base = {"recipe": "baseline (fp32)", "ppl": {k: window_ppl(model, w) for k, w in tokens["eval"].items()},
             "size_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     if args.tasks:
@@ -65,7 +71,7 @@ def tasks(model, tok, args) -> dict:
 def ours(recipe: str, tokens: dict, args) -> dict:
     from compress.models import load_model
 
-    out, js = RUNS / f"q-{recipe}", RUNS / f"q-{recipe}.json"
+    out, js = Path(args.runs) / f"q-{recipe}", Path(args.runs) / f"q-{recipe}.json"
     cmd = [str(ROOT / ".venv/bin/compress"), "quantize", "--recipe", recipe, "--model", args.model, "--out", str(out),
            "--overwrite", "--json", str(js)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -77,13 +83,16 @@ def ours(recipe: str, tokens: dict, args) -> dict:
     row = {"recipe": recipe, "ppl": {k: window_ppl(model, w) for k, w in tokens["eval"].items()},
            "size_bytes": summary["out_bytes"], "seconds": summary["seconds"],
            "peak_rss_bytes": summary["peak_rss_bytes"]}
+    fell = summary.get("fallback")  # the layers compress/fallback.py kept at RTN, judged on held-out windows
+    if fell:
+        row["fallback"] = f"{fell['rtn']} of {fell['judged']}"
     if args.tasks:
         row["accuracy"] = tasks(model, tok, args)
     return row
 
 
 def llmc(method: str, fp_dir: Path, tok_path: Path, nsamples: int = 0) -> dict:
-    js = RUNS / f"llmc-{method}.json"
+    js = fp_dir.parent / f"llmc-{method}.json"
     py = ROOT / ".venv-llmc/bin/python"
     subprocess.run([str(py), str(Path(__file__).parent / "llmc_quant.py"), "--model", str(fp_dir), "--tokens",
                     str(tok_path), "--method", method, "--nsamples", str(nsamples), "--json", str(js)], check=True,
@@ -96,8 +105,9 @@ def llmc(method: str, fp_dir: Path, tok_path: Path, nsamples: int = 0) -> dict:
 
 def table(rows: list[dict], base: dict) -> str:
     rtn = next((r for r in rows if r["recipe"] == "rtn4"), None)
-    head = "| recipe | size MiB | wiki ppl | LAMBADA ppl | gap closed vs rtn4 (wiki / LAMBADA) | task acc: average (each) | quantize s | peak RSS MiB |"
-    lines = [head, "|" + "---|" * 8]
+    head = ("| recipe | size MiB | wiki ppl | LAMBADA ppl | gap closed vs rtn4 (wiki / LAMBADA) | task acc: average "
+            "(each) | quantize s | peak RSS MiB | layers kept at RTN |")
+    lines = [head, "|" + "---|" * 9]
     for r in [base, *rows]:
         closed = ""
         if rtn and r is not base and r is not rtn:
@@ -110,7 +120,7 @@ def table(rows: list[dict], base: dict) -> str:
         secs = f"{r['seconds']:.0f}" if r.get("seconds") else ""
         rss = f"{r['peak_rss_bytes'] / 2**20:.0f}" if r.get("peak_rss_bytes") else ""
         lines.append(f"| {r['recipe']} | {size} | {r['ppl']['wiki']:.2f} | {r['ppl']['lambada']:.2f} | {closed} | "
-                     f"{acc_s} | {secs} | {rss} |")
+                     f"{acc_s} | {secs} | {rss} | {r.get('fallback', '')} |")
     return "\n".join(lines)
 
 
@@ -125,19 +135,38 @@ def main():
     ap.add_argument("--tasks", default="", help="e.g. hellaswag,piqa,arc_easy,winogrande")
     ap.add_argument("--limit", type=int, default=500)
     ap.add_argument("--windows", type=int, default=64)
+    ap.add_argument("--runs", default=str(RUNS), help="folder for this model's fp copy, tokens, checkpoints, results")
     args = ap.parse_args()
     if args.llmc and not (ROOT / ".venv-llmc/bin/python").exists():  # before any work, not after our rows
         raise SystemExit("llm-compressor venv missing (or pass --llmc ''): python3 -m venv .venv-llmc && "
                          ".venv-llmc/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1")
-    RUNS.mkdir(parents=True, exist_ok=True)
+    path = Path(args.runs) / "quant.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    fp_dir, tok_path, base = prepare(args)
+    before = json.loads(path.read_text()) if path.exists() else {}
+    fp_dir, tok_path, base = prepare(args, before.get("baseline"))
     tokens = torch.load(tok_path)
-    rows = [ours(r, tokens, args) for r in args.recipes.split(",") if r]
-    rows += [llmc(m, fp_dir, tok_path, args.llmc_awq_nsamples if m == "awq" else 0) for m in args.llmc.split(",") if m]
-    result = {"date": time.strftime("%Y-%m-%d"), "seconds": time.time() - t0, "baseline": base, "rows": rows}
-    (RUNS / "quant.json").write_text(json.dumps(result, indent=2))
+    done = {r["recipe"]: r for r in before.get("rows", [])}
+    rows = []
+
+    def save() -> None:  # after every row, so a stopped run keeps what it scored
+        result = {"date": time.strftime("%Y-%m-%d"), "seconds": time.time() - t0, "cpu": cpu_model(),
+                  "baseline": base, "rows": rows}
+        path.write_text(json.dumps(result, indent=2))
+    for r in [r for r in args.recipes.split(",") if r]:
+        rows.append(done.get(r) or ours(r, tokens, args))
+        save()
+    for m in [m for m in args.llmc.split(",") if m]:
+        rows.append(llmc(m, fp_dir, tok_path, args.llmc_awq_nsamples if m == "awq" else 0))
+        save()
     print(table(rows, base))
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 if __name__ == "__main__":
