@@ -20,15 +20,6 @@ def token_logprobs(logprobs: Tensor, targets: list[int], k: int) -> list[TokenLo
     return [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(targets, chosen.tolist(), ids.tolist(), vals.tolist())]
 
 
-def _counts(token_lists: list[list[int]], vocab: int) -> Tensor:
-    """``[rows, vocab]`` occurrences of each token id in each list."""
-    width = max(1, max(len(t) for t in token_lists))
-    idx = torch.full((len(token_lists), width), vocab, dtype=torch.long)  # column ``vocab`` collects the padding
-    for r, toks in enumerate(token_lists):
-        idx[r, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-    return torch.zeros(len(token_lists), vocab + 1).scatter_add_(1, idx, torch.ones(idx.shape))[:, :vocab]
-
-
 class Sampler:
     """Turns logit rows into tokens; rows of one forward may belong to requests with different params."""
 
@@ -76,19 +67,21 @@ class Sampler:
 
     @staticmethod
     def penalize(logits: Tensor, seqs: list[Sequence]) -> None:
-        """Presence/frequency penalties on generated tokens, repetition penalty on every token seen (in place)."""
-        rows = [i for i, s in enumerate(seqs) if s.params.penalized]
-        if not rows:
-            return
-        vocab, params = logits.shape[1], [seqs[i].params for i in rows]
-        x = logits[rows].float()
-        out = _counts([seqs[i].completion_token_ids for i in rows], vocab)
-        seen = _counts([seqs[i].token_ids for i in rows], vocab) > 0
-        rep = torch.tensor([p.repetition_penalty for p in params])[:, None]
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
-        presence = torch.tensor([p.presence_penalty for p in params])[:, None]
-        logits[rows] = (x - freq * out - presence * (out > 0)).to(logits.dtype)
+        """Presence/frequency penalties on generated tokens, repetition penalty on every token seen (in place), on
+        the distinct ids each sequence holds: work grows with its length, never with the vocabulary."""
+        for i, s in enumerate(seqs):
+            p = s.params
+            if not p.penalized:
+                continue
+            x = logits[i].float()  # a copy: every penalty lands in float32, then one cast back
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(s.token_ids, dtype=torch.long).unique()
+                v = x[seen]
+                x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+            if p.frequency_penalty or p.presence_penalty:
+                ids, n = torch.tensor(s.completion_token_ids, dtype=torch.long).unique(return_counts=True)
+                x[ids] -= p.frequency_penalty * n + p.presence_penalty
+            logits[i] = x.to(logits.dtype)
 
     @staticmethod
     def record_logprobs(logits: Tensor, seqs: list[Sequence], tokens: list[int]) -> None:

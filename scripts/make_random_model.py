@@ -34,7 +34,7 @@ SHAPES = {
                  pad_token_id=151643, bos_token_id=151643, eos_token_id=151645),
     "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
-               bos_token_id=128000, eos_token_id=128009, pad_token_id=128004,
+               bos_token_id=128000, eos_token_id=128009, pad_token_id=128004, max_position_embeddings=131072,
                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "270m": dict(hidden_size=640, num_hidden_layers=18, intermediate_size=2048, num_attention_heads=4,
