@@ -228,8 +228,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.dry_run:  # Triton picks interpreter or compiler once, at its first import: before anything loads it
+    # Triton picks interpreter or compiler once, at its first import: settle it before anything loads Triton
+    if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
+    else:  # a GPU run times compiled kernels, whatever the caller's environment says
+        os.environ.pop("TRITON_INTERPRET", None)
     sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
     import torch
 

@@ -36,11 +36,15 @@ class KernelPlan:
     max_copies: int
 
 
-GPU_PLAN = KernelPlan(torch.bfloat16, 1 << 30, (32, 8, 64), 16,
-                      ((1, 4096), (1, 32768), (8, 4096), (32, 2048), (64, 1024), (64, 4096)),
-                      ((8192, 2048), (2048, 8192), (2048, 2048), (14336, 4096)), (1, 8, 32), 64, 5, 10, 20, 32)
-DRY_PLAN = KernelPlan(torch.float32, 16 << 20, (4, 2, 32), 16, ((1, 40), (3, 70)), ((96, 64), (64, 96)),
-                      (1, 8, 32), 32, 1, 2, 1, 2)
+# the 1b shape's attention (32 query heads over 8 KV heads of 64) and linears, and Llama 3 8B's MLP
+GPU_PLAN = KernelPlan(
+    dtype=torch.bfloat16, copy_bytes=1 << 30, heads=(32, 8, 64), block_size=16,
+    decode_cases=((1, 4096), (1, 32768), (8, 4096), (32, 2048), (64, 1024), (64, 4096)),
+    gemm_shapes=((8192, 2048), (2048, 8192), (2048, 2048), (14336, 4096)), gemm_rows=(1, 8, 32), group_size=64,
+    warmup=5, samples=10, inner=20, max_copies=128)
+DRY_PLAN = KernelPlan(
+    dtype=torch.float32, copy_bytes=16 << 20, heads=(4, 2, 32), block_size=16, decode_cases=((1, 40), (3, 70)),
+    gemm_shapes=((96, 64), (64, 96)), gemm_rows=(1, 8, 32), group_size=32, warmup=1, samples=2, inner=1, max_copies=2)
 
 
 def sync(device: torch.device) -> None:
@@ -102,7 +106,8 @@ def _paged_inputs(batch: int, ctx: int, copies: int, plan: KernelPlan, device: t
     rand = dict(generator=gen, device=device, dtype=plan.dtype)
     k_cache, v_cache = torch.randn(n_blocks, bs, hkv, d, **rand), torch.randn(n_blocks, bs, hkv, d, **rand)
     perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
-    tables = [perm[c * batch * per_seq:(c + 1) * batch * per_seq].view(batch, per_seq).to(device) for c in range(copies)]
+    per_copy = batch * per_seq
+    tables = [perm[c * per_copy:(c + 1) * per_copy].view(batch, per_seq).to(device) for c in range(copies)]
     q = torch.randn(batch, hq, d, **rand)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     return q, k_cache, v_cache, tables, seq_lens
