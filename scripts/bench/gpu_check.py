@@ -164,7 +164,7 @@ def run_pytest(targets: list[str], timeout: float, log: Path, workers: int) -> d
             rc = None
     res = parse_pytest(log.read_text(errors="replace"))
     if rc is None:
-        res["timed_out_after_s"] = round(timeout)
+        res["timed_out_after_s"] = round(max(timeout, 1), 1)
     elif rc not in (0, 1) or not any(res[k] for k in ("passed", "failed", "errors", "skipped")):
         res["output_tail"] = log.read_text(errors="replace")[-3000:]
     return {"command": " ".join(cmd[1:]), "returncode": rc, "log": log.name, **res}

@@ -108,3 +108,9 @@ def test_targets_are_the_kernel_tests_on_the_gpu(gc):
     assert {"tests/runtime/test_triton_attention.py", "tests/runtime/test_triton_qmatmul.py",
             "tests/runtime/test_triton_moe.py"} <= set(targets)
     assert "tests/runtime/test_triton_compile.py" not in targets  # compiles ahead of time, for CPU-only machines
+
+
+def test_pytest_past_its_budget_is_killed_and_says_so(gc, tmp_path):
+    res = gc.run_pytest(["tests/runtime/test_triton_qmatmul.py"], 0.5, tmp_path / "log", workers=1)
+    assert res["returncode"] is None and "timed_out_after_s" in res
+    assert (tmp_path / "log").is_file()
