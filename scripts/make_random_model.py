@@ -74,14 +74,16 @@ def _slabs(name: str, shape: tuple[int, ...]):
         yield (torch.randn(rows, shape[1], generator=gen) * STD).to(torch.bfloat16)
 
 
-def write(out: Path, shape: str, layers: int | None) -> None:
+def write(out: Path, shape: str | dict, layers: int | None, tokenizer=None) -> None:
+    """``shape``: a name in SHAPES or such a dict of LlamaConfig fields; ``tokenizer``: saved beside the weights
+    (default: the embedded SmolLM2's, which needs its package; scripts/bench/gpu_check_engine.py brings its own)."""
     from transformers import LlamaConfig
 
     from compress.checkpoint import atomic_dir
     from compress.models import load_tokenizer, resolve
     from compress.shards import Lazy, shard_name, write_index, write_shard
 
-    c = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
+    c = {**(SHAPES[shape] if isinstance(shape, str) else shape), **({"num_hidden_layers": layers} if layers else {})}
     shapes = tensor_shapes(c)
     groups: list[dict] = [{}]
     size = 0
@@ -101,7 +103,7 @@ def write(out: Path, shape: str, layers: int | None) -> None:
             weight_map.update({t: name for t in group})
             print(f"wrote {name} ({len(group)} tensors)", flush=True)
         write_index(tmp, weight_map, total)
-        load_tokenizer(resolve("smollm2-135m")).save_pretrained(tmp)
+        (tokenizer or load_tokenizer(resolve("smollm2-135m"))).save_pretrained(tmp)
     params = sum(int(torch.tensor(s).prod()) for s in shapes.values())
     print(f"{out}: {params / 1e9:.2f}B parameters, {total / 2**30:.1f} GiB bf16 in {len(groups)} shards")
 
