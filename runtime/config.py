@@ -18,7 +18,9 @@ class EngineConfig:
     ``model``/``draft`` are model specs for ``compress.models.resolve`` (a name such as
     ``"smollm2-135m"``, an HF folder, a .gguf file, or a folder written by ``compress quantize``).
     ``draft="ngram"`` turns on prompt-lookup speculation (no second model).
-    ``num_kv_blocks=None`` sizes the paged KV pool from ``kv_cache_memory`` bytes.
+    ``num_kv_blocks=None`` sizes the paged KV pool from ``kv_cache_memory`` bytes, an upper bound: on CPU the pool's
+    memory is committed as blocks are first written (runtime/model_runner.py ``zeros_on_demand``), so startup
+    costs none of it and the resident KV grows with what the workload holds (prefix-cached blocks included).
     ``max_model_len=None`` takes the model's context length, capped by the KV pool.
     ``quant_kernel`` picks the matmul for quantized linears (runtime/kernels/qmatmul.py): ``"packed"``
     runs torch's int4/int8 packed kernels straight from the integers (bf16 activations inside, so

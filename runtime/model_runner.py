@@ -45,6 +45,20 @@ def kv_bytes_per_block(cfg: RuntimeConfig, block_size: int, dtype: str, kv_cache
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_head
 
 
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Zeros whose memory the OS commits page by page on first write (an anonymous private map, zero-filled by
+    the kernel) on CPU: a KV pool sized for the worst case costs resident memory only for the blocks a workload
+    has written, not ``kv_cache_memory`` at startup. Elsewhere (CUDA, no ``mmap``), plain ``torch.zeros``."""
+    import math
+    import mmap
+
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if device.type != "cpu" or not nbytes or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps ``buf`` alive
+
+
 class ModelRunner:
     """One model (target or draft) with its own KV pool of ``num_blocks`` blocks."""
 
@@ -95,11 +109,12 @@ class ModelRunner:
 
     def _allocate_kv(self, kv_cache_dtype: str) -> None:
         """The paged pool ``[2, layers, blocks, block_size, Hkv, D]`` in the compute dtype, or 8-bit codes with
-        a parallel fp16 scale pool ``[2, layers, blocks, block_size, Hkv]`` (runtime/kernels/kv_quant.py)."""
+        a parallel fp16 scale pool ``[2, layers, blocks, block_size, Hkv]`` (runtime/kernels/kv_quant.py); on CPU
+        committed as blocks are first written (:func:`zeros_on_demand`)."""
         cfg, fmt = self.config, kv_format(kv_cache_dtype)
         shape = (2, cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype if fmt is None else fmt.storage, device=self.device)
-        self.kv_scales = None if fmt is None else torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+        self.kv_cache = zeros_on_demand(shape, self.dtype if fmt is None else fmt.storage, self.device)
+        self.kv_scales = None if fmt is None else zeros_on_demand(shape[:-1], SCALE_DTYPE, self.device)
 
     def _prepare_head(self, choice: str, quantized: bool, fused: bool, lean: bool = False) -> str:
         """Quantize or prepack an fp LM head on CPU (EngineConfig's ``lm_head``); returns what runs it."""
