@@ -89,5 +89,6 @@ def test_default_logits_are_as_close_to_exact_as_the_persistent_copies_path(tmp_
         assert err["new_pre"] <= 1.05 * err["old_dec"], err
     else:
         assert err["new_pre"] <= 1.5 * err["old_pre"] + 1e-3, err
-    agree = {k: float((x.argmax(-1) == exact.argmax(-1)).float().mean()) for k, x in (("new", new_pre), ("old", old_dec))}
+    agree = {k: float((x.argmax(-1) == exact.argmax(-1)).float().mean())
+             for k, x in (("new", new_pre), ("old", old_dec))}
     assert agree["new"] >= agree["old"] - 0.05, agree
