@@ -372,8 +372,8 @@ def prepare_model(model: nn.Module, mode: str, dtype: torch.dtype, device_type: 
         module = model.get_submodule(name)
         if device_type == "cuda" and mode in PACKED_MODES:
             kernel = TritonLinear(module)
-        elif name == "lm_head":  # from its codes only unless "hybrid": a bf16 copy is a full [vocab, hidden] table
-            kernel = prepare_tied_head(model, module, "packed" if mode == "auto" else mode, dtype, fused, lean)
+        elif name == "lm_head":  # from its codes only, "hybrid" too (as before): a bf16 copy is a [vocab, hidden] table
+            kernel = prepare_tied_head(model, module, "packed" if mode in PACKED_MODES else mode, dtype, fused, lean)
         else:
             kernel = prepare_linear(module, mode, dtype, fused, lean, scratch)
         del module
