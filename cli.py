@@ -370,7 +370,11 @@ def generate_cmd(model_spec, prompt, max_new_tokens, dtype, kv_cache_dtype):
 @click.option("--served-model-name", "served_model_names", multiple=True,
               help="A name requests use for the model (repeat for aliases); /v1/models lists them [default: MODEL].")
 @click.option("--chat-template", default=None, help="A Jinja chat template file, or the template itself.")
-@click.option("--kv-cache-memory", default=None, help="Bytes for the paged KV cache, e.g. 2GiB [default: 1GiB].")
+@click.option("--kv-cache-memory", default=None, help="Bytes for the paged KV cache, e.g. 2GiB [default: 1GiB]; on "
+              "CPU an upper bound, committed as the cache fills.")
+@click.option("--quant-kernel", default=None, type=click.Choice(["auto", "hybrid", "packed", "dequant"]),
+              help="Quantized linears: auto (packed kernels, no weight copies) [default], hybrid (plus a persistent "
+              "bf16 copy of each weight for prompts: 2 bytes a weight more), packed, dequant.")
 @click.option("--block-size", type=int, default=None, help="Tokens per KV block [default: 16].")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
               help="Share the KV blocks of common prompt prefixes [default: on].")

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from runtime.kernels.kv_quant import KV_CACHE_DTYPES, kv_format
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANT_KERNELS = ("auto", "packed", "dequant")
-LM_HEADS = ("auto", "fp", "int8", "int4")  # runtime/kernels/qmatmul.py LM_HEAD_SCHEMES has the last two
+QUANT_KERNELS = ("auto", "hybrid", "packed", "dequant")
+LM_HEADS = ("auto", "fp", "int8", "int4")  # runtime/kernels/lm_head.py LM_HEAD_SCHEMES has the last two
 MODEL_IMPLS = ("auto", "native", "transformers")  # runtime/models/dispatch.py
 
 
@@ -18,13 +18,17 @@ class EngineConfig:
     ``model``/``draft`` are model specs for ``compress.models.resolve`` (a name such as
     ``"smollm2-135m"``, an HF folder, a .gguf file, or a folder written by ``compress quantize``).
     ``draft="ngram"`` turns on prompt-lookup speculation (no second model).
-    ``num_kv_blocks=None`` sizes the paged KV pool from ``kv_cache_memory`` bytes.
+    ``num_kv_blocks=None`` sizes the paged KV pool from ``kv_cache_memory`` bytes, an upper bound: on CPU the pool's
+    memory is committed as blocks are first written (runtime/model_runner.py ``zeros_on_demand``), so startup
+    costs none of it and the resident KV grows with what the workload holds (prefix-cached blocks included).
     ``max_model_len=None`` takes the model's context length, capped by the KV pool.
     ``quant_kernel`` picks the matmul for quantized linears (runtime/kernels/qmatmul.py): ``"packed"``
-    runs torch's int4/int8 packed kernels straight from the integers (bf16 activations inside, so
+    runs the packed integer kernels straight from the integers (bf16 activations inside, so
     results carry bf16 rounding; formats without a kernel fall back to dequantized weights); ``"auto"``
-    does the same for calls of a few rows and keeps a bf16 copy of each weight for larger calls
-    (prefill, batched decoding), where the packed kernels are slow; ``"dequant"`` dequantizes each
+    does the same, and for calls of many rows (prefill, batched decoding) where a bf16 GEMM is faster (AMX)
+    dequantizes each weight into one shared scratch buffer per call, keeping no copy (aten's int4pack/int8pack,
+    without the VNNI kernels, still keep one); ``"hybrid"`` keeps a persistent bf16 copy of every packed weight
+    for those calls (2 bytes a weight more: prompt throughput on AMX at that memory); ``"dequant"`` dequantizes each
     weight once to ``dtype`` (bit-for-bit what ``QuantLinear.forward`` computes, at fp memory and speed).
     ``dtype="auto"`` follows the checkpoint's own dtype (``dtype``/``torch_dtype`` in its config; runtime/cpu.py):
     float32 stays float32, bfloat16 and float16 checkpoints run bf16 (auto never picks float16), quantized ones bf16

@@ -4,8 +4,9 @@
 ``ModelRunner``: paged KV cache, the packed quantized kernels, the fused CPU kernels and the LM head exactly as
 ``compress serve`` runs them. ``mode="decode"`` feeds each window one token per step, all windows of the batch
 side by side as sequences (the served decode path: batch-1..4 kernels for up to 4 windows); ``"prefill"``
-scores each window in one forward (the prompt path). ``kv_cache_dtype`` picks the cache's storage as
-EngineConfig's does (``"int8"``: perplexity through an 8-bit KV cache).
+scores each window in one forward (the prompt path). ``kv_cache_dtype`` picks the cache's storage and
+``quant_kernel`` the quantized linears' kernels as EngineConfig's do (``"int8"``: perplexity through an 8-bit KV
+cache).
 """
 from __future__ import annotations
 
@@ -26,15 +27,15 @@ class EngineLM:
 
     def __init__(self, spec: str, dtype: str = "auto", lm_head: str = "auto", mode: str = "decode",
                  max_len: int = 2048, batch_size: int = 4, block_size: int = 16, fused_cpu: bool = True,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", quant_kernel: str = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown; use one of {MODES}")
         ckpt = open_checkpoint(spec)
         self.dtype = resolve_dtype(dtype, "cpu", ckpt.stored_dtype, ckpt.quantized).dtype
         self.tokenizer, self.mode, self.max_len = ckpt.tokenizer, mode, max_len
         self.batch_size, self.per_seq = batch_size, -(-max_len // block_size)
-        self.runner = ModelRunner(ckpt, self.per_seq * batch_size, block_size, self.dtype, "cpu", "auto", max_len + 1,
-                                  fused_cpu=fused_cpu, lm_head=lm_head, kv_cache_dtype=kv_cache_dtype)
+        self.runner = ModelRunner(ckpt, self.per_seq * batch_size, block_size, self.dtype, "cpu", quant_kernel,
+                                  max_len + 1, fused_cpu=fused_cpu, lm_head=lm_head, kv_cache_dtype=kv_cache_dtype)
         self.lm_head = self.runner.lm_head_kind
 
     def _tables(self, n: int) -> list[list[int]]:

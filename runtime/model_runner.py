@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from compress.memory import trim
+from runtime.kernels import lm_head as heads
 from runtime.kernels import qmatmul
 from runtime.kernels.attention import AttentionMetadata, fused_paged_attention, triton_paged_attention
 from runtime.kernels.fused import FUSED_CPU_OPS, select_ops
@@ -45,6 +46,20 @@ def kv_bytes_per_block(cfg: RuntimeConfig, block_size: int, dtype: str, kv_cache
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * per_head
 
 
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Zeros whose memory the OS commits page by page on first write (an anonymous private map, zero-filled by
+    the kernel) on CPU: a KV pool sized for the worst case costs resident memory only for the blocks a workload
+    has written, not ``kv_cache_memory`` at startup. Elsewhere (CUDA, no ``mmap``), plain ``torch.zeros``."""
+    import math
+    import mmap
+
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if device.type != "cpu" or not nbytes or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps ``buf`` alive
+
+
 class ModelRunner:
     """One model (target or draft) with its own KV pool of ``num_blocks`` blocks."""
 
@@ -59,11 +74,12 @@ class ModelRunner:
         self.ops = select_ops(self.device.type, self.dtype, fused_cpu)
         fused = self.ops is FUSED_CPU_OPS
         # a model too large for copies of its weights runs from its packed codes, its fp head as it is
-        lean = self.device.type == "cpu" and quant_kernel == "auto" and qmatmul.too_large_for_copies(self.model)
+        lean = (self.device.type == "cpu" and quant_kernel in ("auto", "hybrid")
+                and qmatmul.too_large_for_copies(self.model))
         lm_head = "fp" if lean and lm_head == "auto" else lm_head
         self.kernel_paths = qmatmul.prepare_model(self.model, quant_kernel, self.dtype, self.device.type, fused, lean)
         self.kernel_paths.update(prepare_experts(self.model, quant_kernel, self.device.type))
-        self.lm_head_kind = self._prepare_head(lm_head, ckpt.quantized, fused, lean)
+        self.lm_head_kind = self._prepare_head(lm_head, ckpt.quantized, fused, lean, quant_kernel)
         trim()  # the conversions' temporaries back to the OS before the KV pool is allocated
         self.num_prepacked = 0
         if self.device.type == "cpu" and not lean:
@@ -95,24 +111,26 @@ class ModelRunner:
 
     def _allocate_kv(self, kv_cache_dtype: str) -> None:
         """The paged pool ``[2, layers, blocks, block_size, Hkv, D]`` in the compute dtype, or 8-bit codes with
-        a parallel fp16 scale pool ``[2, layers, blocks, block_size, Hkv]`` (runtime/kernels/kv_quant.py)."""
+        a parallel fp16 scale pool ``[2, layers, blocks, block_size, Hkv]`` (runtime/kernels/kv_quant.py); on CPU
+        committed as blocks are first written (:func:`zeros_on_demand`)."""
         cfg, fmt = self.config, kv_format(kv_cache_dtype)
         shape = (2, cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype if fmt is None else fmt.storage, device=self.device)
-        self.kv_scales = None if fmt is None else torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+        self.kv_cache = zeros_on_demand(shape, self.dtype if fmt is None else fmt.storage, self.device)
+        self.kv_scales = None if fmt is None else zeros_on_demand(shape[:-1], SCALE_DTYPE, self.device)
 
-    def _prepare_head(self, choice: str, quantized: bool, fused: bool, lean: bool = False) -> str:
+    def _prepare_head(self, choice: str, quantized: bool, fused: bool, lean: bool = False,
+                      quant_kernel: str = "auto") -> str:
         """Quantize or prepack an fp LM head on CPU (EngineConfig's ``lm_head``); returns what runs it."""
         model, head = self.model, self.model.lm_head
         if head is not None and type(head) is not nn.Linear:  # quantized by compress quantize: its own kernel
             return "checkpoint"
         if self.device.type != "cpu":
             return "fp"
-        choice = qmatmul.resolve_lm_head(choice, quantized, self.dtype, self.device.type)
+        choice = heads.resolve_lm_head(choice, quantized, self.dtype, self.device.type)
         if lean and choice == "fp":  # a prepacked copy would hold the head twice while it is made
             return choice
         weight = model.embed_tokens.weight if head is None else head.weight
-        module = qmatmul.prepare_lm_head(weight, choice, self.dtype, fused, lean)
+        module = heads.prepare_lm_head(weight, choice, self.dtype, fused, lean, quant_kernel)
         if module is not None:
             model.lm_head = module
         return choice

@@ -25,7 +25,8 @@ from runtime.cpu import cpu_info
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
-SOURCES = tuple(SOURCE_DIR / f for f in ("fused_ops.cpp", "decode_attention.cpp", "qgemv.cpp", "fp_gemv.cpp"))
+SOURCES = tuple(SOURCE_DIR / f for f in ("fused_ops.cpp", "decode_attention.cpp", "qgemv.cpp", "fp_gemv.cpp",
+                                          "tile_dequant.cpp"))
 HEADERS = (SOURCE_DIR / "common.h",)
 # -ffp-contract=off: no fused multiply-adds the torch reference does not make; -fno-math-errno and
 # -fno-trapping-math let the exp/min/max/floor loops vectorize (no result changes for finite inputs)

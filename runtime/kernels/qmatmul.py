@@ -26,10 +26,18 @@ faster (about 1.5x at batch 1, 1.4x at 32, one core of this AMX CPU). fp32 model
 (bit-identical to transformers') except for decode calls of a few rows with the fused kernels loaded, which
 run ``GemvLinear`` (runtime/kernels/fp_gemv.py: 2.3x the bytes per second, fp32 rounding apart).
 
-Both packed kernels are made for few rows: past a handful of tokens per call (batched decoding,
-prefill) a bf16 GEMM on oneDNN's AMX path beats them several times over. ``mode="auto"`` therefore
-keeps, next to the packed weight, a bf16 copy dequantized once from the same integers and routes each
-call by its row count (``HybridLinear``); ``mode="packed"`` keeps only the packed weight (least memory).
+aten's packed kernels are made for few rows: past a handful of tokens per call (batched decoding, prefill) a bf16
+GEMM on oneDNN's AMX path beats them several times over. What runs the calls of many rows beside a packed kernel
+(:func:`large_rows_kernel`, routed by row count in ``HybridLinear``):
+
+- ``mode="auto"`` (the default): nothing but the packed kernel where it is fastest anyway (w8a8 on a CPU without
+  AMX: the VNNI kernel beat oneDNN's bf16 GEMM at 32 to 512 rows on the AMD EPYC, 88 vs 128 ms for a 9728 x 896
+  linear at 512 rows); w8a8 with AMX: the weight dequantized for each such call into one scratch buffer the
+  model's linears share (``w8a8.ScratchLinear``: the size of the largest linear, not of the model); aten's
+  int4pack/int8pack (no VNNI kernels): a persistent bf16 copy, as ``"hybrid"``.
+- ``mode="hybrid"``: a persistent bf16 copy of every packed linear, dequantized once from the same integers
+  (``MkldnnLinear``): 2 bytes a weight more (4x the int4 codes) for the fastest large calls on AMX.
+- ``mode="packed"``: only the packed weight (least memory).
 
 Measured on this CPU (one core, SmolLM2-135M's 120 layer linears, ms per forward; int4 group 64):
 
@@ -205,25 +213,43 @@ def packed_path(ql: QuantLinear) -> str:
 HYBRID_MAX_ROWS = {"int4pack": 6, "int8pack": 1, "int8pack-fused": 4, "w8a8": 24, "w8a8-amx": 8}
 
 
-def prepare_linear(ql: QuantLinear, mode: str, dtype: torch.dtype, fused: bool = False,
-                   lean: bool = False) -> nn.Module:
-    """The kernel module for one QuantLinear: ``mode`` "auto", "packed" (when the format allows) or "dequant";
-    ``fused``: the fused CPU kernels are loaded (runtime/kernels/cpu_ext.py) and may run it; ``lean``: no
-    copy larger than the checkpoint's own codes (no int8 tiles of 4-bit codes)."""
-    path = packed_path(ql) if mode in ("auto", "packed") else "dense"
-    if (mode in ("auto", "packed") and fused and w8a8.available() and w8a8.fits(ql) and groups_foldable(ql)
+PACKED_MODES = ("auto", "hybrid", "packed")
+
+
+def prepare_linear(ql: QuantLinear, mode: str, dtype: torch.dtype, fused: bool = False, lean: bool = False,
+                   scratch: w8a8.Scratch | None = None, tiles: Tensor | None = None) -> nn.Module:
+    """The kernel module for one QuantLinear: ``mode`` "auto", "hybrid", "packed" (when the format allows) or
+    "dequant"; ``fused``: the fused CPU kernels are loaded (runtime/kernels/cpu_ext.py) and may run it; ``lean``: no
+    copy larger than the checkpoint's own codes (no int8 tiles of 4-bit codes); ``scratch``: the buffer the model's
+    linears share for dequantized large calls (one of their own otherwise); ``tiles``: the w8a8 layout of ``ql``'s
+    codes, already built (runtime/kernels/lm_head.py's tied head)."""
+    path = packed_path(ql) if mode in PACKED_MODES else "dense"
+    if (mode in PACKED_MODES and fused and w8a8.available() and w8a8.fits(ql) and groups_foldable(ql)
             and not (lean and ql.scheme.bits < 8)):
         path = "w8a8"
     if path == "dense":
         return DenseLinear(ql, dtype)
     if path == "w8a8":
-        kernel = w8a8.W8A8Linear(ql, _act_order_perm(ql))
+        kernel = w8a8.W8A8Linear(ql, _act_order_perm(ql), tiles)
     else:
         kernel = Int4PackedLinear(ql) if path == "int4pack" else Int8PackedLinear(ql, fused)
-    if mode == "auto" and mkldnn_bf16_available():
+    large = large_rows_kernel(mode, path)
+    if large == "copy":
         dense = MkldnnLinear(ql.dequantized_weight(torch.float32), ql.bias)
         return HybridLinear(kernel, dense, hybrid_max_rows(path, fused))
+    if large == "scratch":
+        return HybridLinear(kernel, w8a8.ScratchLinear(kernel, scratch or w8a8.Scratch()), hybrid_max_rows(path, fused))
     return kernel
+
+
+def large_rows_kernel(mode: str, path: str) -> str | None:
+    """What runs a packed linear's calls of many rows: a persistent bf16 copy ("copy"), the weight dequantized
+    into a shared scratch per call ("scratch"), or None (the packed kernel runs every call); see the module doc."""
+    if mode not in ("auto", "hybrid") or not mkldnn_bf16_available():
+        return None
+    if mode == "hybrid" or path != "w8a8":  # aten's int4pack/int8pack layouts have no scratch dequantizer
+        return "copy"
+    return "scratch" if cpu_info().amx_bf16 else None
 
 
 def hybrid_max_rows(path: str, fused: bool) -> int:
@@ -310,8 +336,8 @@ class TritonLinear(nn.Module):
                               None if q.bias is None else q.bias)
 
 
-# "auto" keeps a bf16 copy of every quantized weight for large calls (4x the int4 codes) and w8a8 int8 tiles
-# of 4-bit codes (2x): only while those copies take at most this share of the memory free at load
+# "auto"/"hybrid" may keep a bf16 copy of every quantized weight for large calls (4x the int4 codes; "hybrid",
+# or "auto" without the VNNI kernels): only while those copies take at most this share of the memory free at load
 COPY_BUDGET = 0.25
 
 
@@ -331,63 +357,30 @@ def too_large_for_copies(model: nn.Module) -> bool:
 def prepare_model(model: nn.Module, mode: str, dtype: torch.dtype, device_type: str = "cpu",
                   fused: bool = False, lean: bool = False) -> dict[str, int]:
     """Replace every QuantLinear in ``model`` by its kernel module; returns how many took each path. ``lean``
-    (a model too large for copies of its weights, :func:`too_large_for_copies`) runs "auto" as "packed"."""
+    (a model too large for copies of its weights, :func:`too_large_for_copies`) runs "auto"/"hybrid" as "packed".
+    A tied quantized head is converted first, its tiles built in place of the embedding's codes, which the
+    embedding then reads (runtime/kernels/lm_head.py): the codes are held once, and the conversion's temporaries
+    come before the blocks' weights are added to the peak."""
+    from runtime.kernels.lm_head import prepare_tied_head
+
     counts: Counter[str] = Counter()
-    mode = "packed" if lean and mode == "auto" else mode
+    mode = "packed" if lean and mode in ("auto", "hybrid") else mode
+    scratch = w8a8.Scratch()  # one for the whole model: its linears run one at a time
     names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]  # names only: each replaced
-    for name in names:                                                           # QuantLinear is freed at once
+    names.sort(key=lambda n: n != "lm_head")                                     # QuantLinear is freed at once
+    for name in names:
         module = model.get_submodule(name)
-        if device_type == "cuda" and mode in ("auto", "packed"):
+        if device_type == "cuda" and mode in PACKED_MODES:
             kernel = TritonLinear(module)
-        else:  # a quantized head runs from its codes only: a bf16 copy would be a full-width [vocab, hidden] table
-            kernel = prepare_linear(module, "packed" if name == "lm_head" and mode == "auto" else mode, dtype, fused,
-                                    lean)
+        elif name == "lm_head":  # from its codes only, "hybrid" too (as before): a bf16 copy is a [vocab, hidden] table
+            kernel = prepare_tied_head(model, module, "packed" if mode in PACKED_MODES else mode, dtype, fused, lean)
+        else:
+            kernel = prepare_linear(module, mode, dtype, fused, lean, scratch)
         del module
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, kernel)
         counts[kernel.path] += 1
-        if lean:  # the conversion's temporaries, returned weight by weight
-            trim()
+        trim()  # the conversion's temporaries, returned weight by weight (glibc keeps freed chunks otherwise)
     if counts:
         log.info("quantized linears: %s", dict(counts))
     return dict(counts)
-
-
-# The LM head rounded to nearest at load (the checkpoint keeps its fp weight): per-channel int8 is what
-# llama.cpp stores for SmolLM2's tied head (Q8_0); int4 g32 halves the bytes again at a measured accuracy cost.
-LM_HEAD_SCHEMES = {"int8": Scheme(bits=8, group_size=-1, sym=True), "int4": Scheme(bits=4, group_size=32, sym=False)}
-
-
-def resolve_lm_head(choice: str, quantized_model: bool, dtype: torch.dtype, device_type: str) -> str:
-    """``"auto"``: int8 for a quantized model computed in bf16 on CPU (its packed kernels' setting), else fp."""
-    if choice not in LM_HEADS:
-        raise ValueError(f"lm_head={choice!r} is unknown; use one of {LM_HEADS}")
-    if choice != "auto":
-        return choice
-    return "int8" if quantized_model and dtype == torch.bfloat16 and device_type == "cpu" else "fp"
-
-
-def round_rows(weight: Tensor, scheme: Scheme, rows: int = 4096) -> QuantLinear:
-    """RTN of a large fp ``weight [out, in]`` a slab of output rows at a time (its schemes are row-local), so
-    a 128k-vocabulary head never has an fp32 copy or full-size temporaries."""
-    out_f, in_f = weight.shape
-    ql = QuantLinear(in_f, out_f, scheme)
-    for s in range(0, out_f, rows):
-        part = QuantLinear.from_quantized(rtn.quantize_weight(weight[s:s + rows].detach().float(), scheme))
-        ql.qweight[s:s + rows], ql.scales[s:s + rows] = part.qweight, part.scales
-        if ql.qzeros is not None:
-            ql.qzeros[s:s + rows] = part.qzeros
-    return ql
-
-
-def prepare_lm_head(weight: Tensor, choice: str, dtype: torch.dtype, fused: bool = False,
-                    lean: bool = False) -> nn.Module | None:
-    """The head module for an fp ``weight [vocab, hidden]``: quantized, prepacked bf16, or None (keep F.linear)."""
-    if choice in LM_HEAD_SCHEMES:
-        return prepare_linear(round_rows(weight, LM_HEAD_SCHEMES[choice]), "packed" if lean else "auto", dtype,
-                              fused, lean)
-    if dtype == torch.bfloat16 and mkldnn_bf16_available():
-        return MkldnnLinear(weight, None)
-    if dtype == torch.float32 and fused:
-        return GemvLinear(weight, None)
-    return None

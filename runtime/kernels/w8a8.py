@@ -4,8 +4,9 @@
 re-quantized) in the layout the kernel reads, and runs ``torch.ops.compress_cpu.w8a8_linear``. The
 activations are rounded to int8 per block of 32 inside the kernel (as llama.cpp does for its Q4/Q8 dot
 products), which is the only numeric difference from ``QuantLinear.forward``; ``w8a8_reference`` is the
-same computation in torch, for the tests. The kernel exists for few rows (batch-1 and small-batch decode):
-``runtime/kernels/qmatmul.py`` routes larger calls to a bf16 GEMM.
+same computation in torch, for the tests. The kernel was made for few rows (batch-1 and small-batch decode); without
+AMX it also beats oneDNN's bf16 GEMM on many, and with AMX ``runtime/kernels/qmatmul.py`` routes larger calls to a
+bf16 GEMM on the weight dequantized into a shared buffer (``ScratchLinear``, tile_dequant.cpp).
 
 NF4 codes stay 4 bits a weight: the kernel maps each through a 16-entry table (:func:`nf4_table`) to the
 8-bit code ``round(127 * NF4[q]) + 128`` with zero point 128 and scale ``absmax / 127``; the table's rounding
@@ -19,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compress.qlinear import QuantLinear
-from compress.quant import nf4_codebook
+from compress.qlinear import QuantEmbedding, QuantLinear
+from compress.quant import dequantize, nf4_codebook, unpack
 
 BLOCK = 32  # activation quantization block (qgemv.cpp's QB)
 
@@ -51,6 +52,21 @@ def pack_tiles(codes: Tensor, bits: int) -> Tensor:
     return c.permute(0, 2, 3, 1, 4).reshape(c.shape[0], -1).contiguous()  # [T, p, half, row, i]
 
 
+SLAB_ROWS = 1024  # output rows unpacked and tiled per step (a multiple of 16)
+
+
+def tile_codes(ql: QuantLinear, perm: Tensor | None, k_pad: int) -> Tensor:
+    """:func:`pack_tiles` of ``ql``'s codes (columns permuted by ``perm``, ``k_pad`` zero columns added), built
+    ``SLAB_ROWS`` rows at a time so that the unpacked codes' temporaries stay a slab's, not the weight's."""
+    n, k, bits = ql.out_features, ql.in_features + k_pad, ql.scheme.bits
+    tiles = torch.empty(-(-n // 16), k * 2 * bits, dtype=torch.uint8)
+    for s in range(0, n, SLAB_ROWS):
+        codes = unpack(ql.qweight[s:s + SLAB_ROWS], bits, ql.in_features)  # [rows, in]
+        tiles[s // 16:(s + codes.shape[0] + 15) // 16] = pack_tiles(
+            F.pad(codes if perm is None else codes[:, perm], (0, k_pad)), bits)
+    return tiles
+
+
 def tile_rows(t: Tensor) -> Tensor:
     """Per-row, per-group values [N, G] -> [ceil(N/16), G, 16] (padded rows 0), the layout of the scales."""
     n, g = t.shape
@@ -73,13 +89,13 @@ def nf4_table() -> Tensor:
     return (torch.round(nf4_codebook() * NF4_UNIT) + 128).to(torch.uint8)
 
 
-def kernel_codes(ql: QuantLinear) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """(codes [N, K], scale [N, G], zero [N, G] in code units, lut or None): what the kernel multiplies."""
+def kernel_scales(ql: QuantLinear) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(scale [N, G], zero [N, G] in code units, lut or None): what the kernel multiplies the codes by."""
     s, scale = ql.scheme, ql.scales.float()
     if s.format == "nf4":
-        return ql.codes(), scale / NF4_UNIT, torch.full_like(scale, 128.0), nf4_table()
+        return scale / NF4_UNIT, torch.full_like(scale, 128.0), nf4_table()
     zero = ql.qzeros.float() if ql.qzeros is not None else torch.full_like(scale, s.sym_zero)
-    return ql.codes(), scale, zero, None
+    return scale, zero, None
 
 
 def w8a8_reference(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group: int) -> Tensor:
@@ -94,6 +110,24 @@ def w8a8_reference(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group:
     return y - gsum @ (scale.float() * zero.float()).T
 
 
+def dequant_tiles(weight: Tensor, scale: Tensor, szero: Tensor, bits: int, group: int, n: int,
+                  lut: Tensor | None = None) -> Tensor:
+    """The fp32 weight ``[n, K]`` that tiles (:func:`pack_tiles`) and their ``scale``/``szero`` [T, G, 16] stand for:
+    ``code * scale - scale * zero``, the kernel's numbers (tile_dequant.cpp's torch reference)."""
+    t = weight.shape[0]
+    k = weight.shape[1] * 8 // (16 * bits)
+    if bits == 4:
+        b = weight.view(t, k // 8, 16, 4)  # [T, p, row, i]
+        c = torch.stack([b & 15, b >> 4], dim=3)  # [T, p, row, half, i]: columns 8p + 4 half + i
+    else:
+        c = weight.view(t, k // 8, 2, 16, 4).transpose(2, 3)  # [T, p, half, row, i] -> [T, p, row, half, i]
+    if lut is not None:
+        c = lut[c.long()]
+    codes = c.permute(0, 2, 1, 3, 4).reshape(t * 16, k).float()  # [T * 16, K]
+    s, sz = (v.transpose(1, 2).reshape(t * 16, -1).repeat_interleave(group, dim=1) for v in (scale, szero))
+    return (codes * s - sz)[:n]
+
+
 def fits(ql: QuantLinear) -> bool:
     """Whether the kernel can carry ``ql``: 4- or 8-bit integer codes in groups (or channels) of multiples of 32
     (act-order groups must also fold into contiguous ones: runtime/kernels/qmatmul.py checks that)."""
@@ -106,7 +140,7 @@ class W8A8Linear(nn.Module):
 
     path = "w8a8"
 
-    def __init__(self, ql: QuantLinear, perm: Tensor | None = None):
+    def __init__(self, ql: QuantLinear, perm: Tensor | None = None, tiles: Tensor | None = None):
         super().__init__()
         s = ql.scheme
         assert fits(ql), s
@@ -116,10 +150,9 @@ class W8A8Linear(nn.Module):
         n_groups = s.n_groups(ql.in_features)
         self.k_pad = n_groups * self.group - ql.in_features  # a ragged last group: zero inputs meet any code
         self.perm = perm  # act-order: input columns in group order
-        codes, scale, zero, self.lut = kernel_codes(ql)
-        if perm is not None:
-            codes = codes[:, perm]
-        self.register_buffer("weight", pack_tiles(F.pad(codes, (0, self.k_pad)), s.bits))
+        scale, zero, self.lut = kernel_scales(ql)
+        # ``tiles``: pack_tiles of the codes, built by the caller (runtime/kernels/lm_head.py)
+        self.register_buffer("weight", tile_codes(ql, perm, self.k_pad) if tiles is None else tiles)
         self.register_buffer("scale", tile_rows(scale))
         self.register_buffer("szero", tile_rows(scale * zero))
         self.bias = None if ql.bias is None else ql.bias.detach().float()
@@ -142,3 +175,81 @@ class W8A8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
+
+    def dequantize_into(self, out: Tensor) -> Tensor:
+        """``out`` [N, K padded] (bf16 or fp32) <- this layer's weight, input columns in the kernel's order."""
+        torch.ops.compress_cpu.w8a8_dequant_(out, *self._args[:3], self.bits, self.group, self.lut)
+        return out
+
+
+class Scratch:
+    """One buffer that every large call of a model's linears dequantizes its weight into, in turn (a forward runs
+    one linear at a time): it grows to the largest linear on the first such call, never to the model's size."""
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16):
+        self.buf = torch.empty(0, dtype=dtype)
+
+    def take(self, rows: int, cols: int) -> Tensor:
+        if self.buf.numel() < rows * cols:
+            self.buf = torch.empty(rows * cols, dtype=self.buf.dtype)
+        return self.buf[:rows * cols].view(rows, cols)
+
+
+class ScratchLinear(nn.Module):
+    """A W8A8Linear's weight dequantized into a shared :class:`Scratch` for each call, then a bf16 GEMM: the speed
+    of a dense copy for calls of many rows (prefill, batched decoding) without keeping one."""
+
+    path = "scratch"
+
+    def __init__(self, kernel: W8A8Linear, scratch: Scratch):
+        super().__init__()
+        self.kernel, self.scratch = kernel, scratch
+        self.in_features, self.out_features = kernel.in_features, kernel.out_features
+        self.bias = None if kernel.bias is None else kernel.bias.to(scratch.buf.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        k = self.kernel
+        lead, dtype = x.shape[:-1], x.dtype
+        x2 = x.reshape(-1, self.in_features).to(self.scratch.buf.dtype)
+        if k.perm is not None:
+            x2 = x2.index_select(1, k.perm)
+        if k.k_pad:
+            x2 = F.pad(x2, (0, k.k_pad))
+        w = k.dequantize_into(self.scratch.take(self.out_features, x2.shape[1]))
+        return F.linear(x2, w, self.bias).to(dtype).reshape(*lead, self.out_features)
+
+
+def gather_codes(tiles: Tensor, ids: Tensor, bits: int, cols: int) -> Tensor:
+    """The codes uint8 [N, cols] of rows ``ids`` [N] of the weight that ``tiles`` (:func:`pack_tiles`) hold."""
+    t, r = ids // 16, ids % 16
+    n = ids.shape[0]
+    picked = tiles.index_select(0, t)  # [N, tile bytes]: only the tiles of the asked rows
+    at = torch.arange(n, device=ids.device)
+    if bits == 4:
+        b = picked.view(n, cols // 8, 16, 4)[at, :, r]  # [N, p, i]
+        c = torch.stack([b & 15, b >> 4], dim=2)  # [N, p, half, i]
+    else:
+        c = picked.view(n, cols // 8, 2, 16, 4)[at, :, :, r]  # [N, p, half, i]
+    return c.reshape(n, cols)
+
+
+class TiledEmbedding(nn.Module):
+    """A quantized embedding whose codes live in its tied head's w8a8 tiles (runtime/kernels/lm_head.py): a lookup
+    gathers its rows' codes from the tiles and dequantizes them with the embedding's own scales and zeros, the
+    numbers ``QuantEmbedding`` computes."""
+
+    def __init__(self, head: W8A8Linear, embed: QuantEmbedding):
+        super().__init__()
+        assert head.out_features == embed.num_embeddings and head.in_features == embed.embedding_dim
+        self.head = [head]  # a plain list: the tiles are the head's buffers, not this module's
+        self.num_embeddings, self.embedding_dim, self.scheme = embed.num_embeddings, embed.embedding_dim, embed.scheme
+        self.scales, self.qzeros = embed.scales, embed.qzeros  # [vocab, G]: small, kept as they are
+        self.compute_dtype, self.embed_scale = embed.compute_dtype, embed.embed_scale
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)
+        q = gather_codes(self.head[0].weight, flat, self.scheme.bits, self.embedding_dim)
+        zero = None if self.qzeros is None else self.qzeros.index_select(0, flat)
+        x = dequantize(q, self.scales.index_select(0, flat), zero, self.scheme, None, self.compute_dtype)
+        x = x.reshape(*ids.shape, self.embedding_dim)
+        return x if self.embed_scale is None else x * torch.tensor(self.embed_scale).to(x.dtype)

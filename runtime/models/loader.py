@@ -190,15 +190,11 @@ def fuse(parts: list[nn.Module]) -> nn.Module:
     return ConcatLinear(parts)
 
 
-def _copy(param: Tensor, t: Tensor, name: str, shape: tuple[int, ...] | None = None) -> None:
-    """Fill ``param`` with ``t``; with ``shape`` (an emptied param), take ``t``'s storage instead of copying."""
-    want = tuple(param.shape) if shape is None else shape
-    if tuple(t.shape) != want:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, the config implies {want}")
-    if shape is None:
-        param.data.copy_(t)
-    else:
-        param.data = t.to(param.dtype)
+def _copy(param: Tensor, t: Tensor, name: str) -> None:
+    """Fill ``param`` with ``t``."""
+    if tuple(t.shape) != tuple(param.shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, the config implies {tuple(param.shape)}")
+    param.data.copy_(t)
 
 
 def load_mlp(ckpt: Checkpoint, mlp: nn.Module, p: str, hidden: int, inter: int, dtype: torch.dtype) -> None:
@@ -312,6 +308,7 @@ def load_embedding(ckpt: Checkpoint, model: DecoderLM, cfg: ModelConfig, dtype: 
             raise ValueError(f"{name}.qweight has {q.qweight.shape[0]} rows, the config implies {shape[0]}")
         model.embed_tokens = q
         return
-    emb = model.embed_tokens.weight
-    emb.data = torch.empty(0, dtype=emb.dtype)  # the init's storage goes before the checkpoint's is read
-    _copy(emb, ckpt.tensors[f"{name}.weight"], f"{name}.weight", shape)
+    t = ckpt.tensors[f"{name}.weight"]
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}.weight has shape {tuple(t.shape)}, the config implies {shape}")
+    model.embed_tokens.weight = nn.Parameter(t.to(dtype), requires_grad=False)  # replaces the meta placeholder

@@ -102,3 +102,12 @@ def test_auto_routes_small_calls_to_the_packed_kernel_and_large_ones_to_bf16(sch
     kernel(torch.randn(1, 256))
     kernel(torch.randn(2, 40, 256))
     assert calls == ["small", "large"]
+
+
+def test_hybrid_mode_is_the_old_auto_for_the_aten_kernels():
+    from runtime.kernels.qmatmul import mkldnn_bf16_available
+
+    if not mkldnn_bf16_available():
+        pytest.skip("no prepacked bf16 linears on this CPU/torch")
+    ql = random_qlinear(48, 256, Scheme(4, 64))
+    assert prepare_linear(ql, "hybrid", torch.float32).path == prepare_linear(ql, "auto", torch.float32).path

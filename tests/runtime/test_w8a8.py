@@ -66,7 +66,7 @@ def test_kernel_matches_reference_and_quantlinear(out_f, in_f, scheme, act_order
     if kernel.perm is not None:
         xs = xs[:, kernel.perm]
     xs = torch.nn.functional.pad(xs, (0, kernel.k_pad))
-    codes, scale, zero, lut = w8a8.kernel_codes(ql)
+    codes, (scale, zero, lut) = ql.codes(), w8a8.kernel_scales(ql)
     if lut is not None:
         codes = lut[codes.long()]
     if kernel.perm is not None:
@@ -116,3 +116,59 @@ def test_nf4_table_is_the_codebook_within_a_tenth_of_its_finest_half_step():
     assert (table - cb).abs().max() <= 0.5 / w8a8.NF4_UNIT + 1e-7
     assert (table - cb).abs().max() < 0.1 * (cb.diff().min() / 2)
     assert table[7] == 0 and table[0] == -1 and table[15] == 1  # exact zero and ends
+
+
+DEQUANT_CASES = [(48, 128, Scheme(4, 32, sym=False), None), (40, 96, Scheme(8, -1, sym=True), None),
+                 (33, 64, Scheme(4, 64, sym=True), None), (32, 128, Scheme(4, 32, format="nf4"), None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_f,in_f,scheme,_", DEQUANT_CASES)
+def test_dequant_kernel_is_the_reference_and_the_quantlinear_weight(out_f, in_f, scheme, _, dtype):
+    ql = random_qlinear(out_f, in_f, scheme)
+    kernel = w8a8.W8A8Linear(ql)
+    ref = w8a8.dequant_tiles(kernel.weight, kernel.scale, kernel.szero, scheme.bits, kernel.group, out_f, kernel.lut)
+    out = kernel.dequantize_into(torch.full((out_f, in_f), float("nan"), dtype=dtype))  # every element written
+    assert torch.equal(out, ref.to(dtype))  # one rounding of code * scale - scale * zero
+    tol = 1e-6 if scheme.format == "int" else 2.5e-3  # nf4: the kernel's 8-bit table (see nf4_table)
+    torch.testing.assert_close(ref, ql.dequantized_weight(torch.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("bits,scheme", [(4, Scheme(4, 32, sym=False)), (8, Scheme(8, -1, sym=True))])
+def test_gather_codes_reads_any_rows_from_the_tiles(bits, scheme):
+    ql = random_qlinear(50, 96, scheme)
+    tiles = w8a8.W8A8Linear(ql).weight
+    ids = torch.tensor([0, 49, 17, 17, 16, 31])
+    assert torch.equal(w8a8.gather_codes(tiles, ids, bits, 96), ql.codes()[ids])
+
+
+def test_tile_codes_in_slabs_equal_one_pack(monkeypatch):
+    ql = random_qlinear(100, 64, Scheme(4, 32, sym=False))
+    whole = w8a8.pack_tiles(ql.codes(), 4)
+    monkeypatch.setattr(w8a8, "SLAB_ROWS", 32)
+    assert torch.equal(w8a8.tile_codes(ql, None, 0), whole)
+
+
+def test_scratch_linear_runs_the_dense_product_from_one_shared_buffer():
+    scratch = w8a8.Scratch()
+    qls = [random_qlinear(64, 128, Scheme(4, 32, sym=False), seed=1),
+           random_qlinear(96, 64, Scheme(8, -1, sym=True), bias=True, seed=2)]
+    for ql in qls:
+        lin = w8a8.ScratchLinear(w8a8.W8A8Linear(ql), scratch)
+        x = torch.randn(40, ql.in_features, generator=torch.Generator().manual_seed(3))
+        want = torch.nn.functional.linear(x.bfloat16(), ql.dequantized_weight(torch.float32).bfloat16(),
+                                          None if ql.bias is None else ql.bias.bfloat16())
+        assert torch.equal(lin(x.bfloat16()), want)  # the same bf16 weights, the same GEMM
+    assert scratch.buf.numel() == 64 * 128  # the largest linear's weight, held once
+
+
+def test_auto_keeps_no_copy_where_the_vnni_kernel_is_fastest(monkeypatch):
+    from runtime.kernels import qmatmul
+
+    ql = random_qlinear(64, 128, Scheme(4, 32, sym=False))
+    monkeypatch.setattr(qmatmul, "cpu_info", lambda: type("Info", (), {"amx_bf16": False})())
+    assert prepare_linear(ql, "auto", torch.bfloat16, fused=True).path == "w8a8"
+    monkeypatch.setattr(qmatmul, "cpu_info", lambda: type("Info", (), {"amx_bf16": True})())
+    if qmatmul.mkldnn_bf16_available():
+        assert prepare_linear(ql, "auto", torch.bfloat16, fused=True).path == "w8a8+scratch"
+        assert prepare_linear(ql, "hybrid", torch.bfloat16, fused=True).path == "w8a8+mkldnn"
