@@ -75,7 +75,7 @@ class ModelRunner:
         fused = self.ops is FUSED_CPU_OPS
         # a model too large for copies of its weights runs from its packed codes, its fp head as it is
         lean = (self.device.type == "cpu" and quant_kernel in ("auto", "hybrid")
-                and qmatmul.too_large_for_copies(self.model))
+                and qmatmul.too_large_for_copies(self.model, quant_kernel, fused))
         lm_head = "fp" if lean and lm_head == "auto" else lm_head
         self.kernel_paths = qmatmul.prepare_model(self.model, quant_kernel, self.dtype, self.device.type, fused, lean)
         self.kernel_paths.update(prepare_experts(self.model, quant_kernel, self.device.type))

@@ -336,21 +336,30 @@ class TritonLinear(nn.Module):
                               None if q.bias is None else q.bias)
 
 
-# "auto"/"hybrid" may keep a bf16 copy of every quantized weight for large calls (4x the int4 codes; "hybrid",
-# or "auto" without the VNNI kernels): only while those copies take at most this share of the memory free at load
+# "auto"/"hybrid" add to the codes: int8 tiles of each weight for the VNNI kernel (1 byte a weight), and for "hybrid"
+# (or "auto" without the VNNI kernels) a bf16 copy for large calls (2 bytes a weight); only while what they add
+# takes at most this share of the memory free at load
 COPY_BUDGET = 0.25
 
 
-def too_large_for_copies(model: nn.Module) -> bool:
-    """Whether bf16 copies of ``model``'s quantized weights would exceed ``COPY_BUDGET`` of free memory."""
+def added_bytes_per_weight(mode: str, fused: bool) -> int:
+    """What ``mode`` keeps beside a quantized weight's codes, per weight: the VNNI kernel's int8 tiles, and a bf16
+    copy where large calls run dense (:func:`large_rows_kernel`'s "copy")."""
+    vnni = fused and w8a8.available()
+    return (1 if vnni else 0) + (2 if mode == "hybrid" or not vnni else 0)
+
+
+def too_large_for_copies(model: nn.Module, mode: str = "auto", fused: bool = True) -> bool:
+    """Whether what ``mode`` adds beside ``model``'s quantized codes would exceed ``COPY_BUDGET`` of free memory."""
     from compress.memory import available_bytes, gib
 
-    copies = sum(m.in_features * m.out_features * 2 for m in model.modules() if isinstance(m, QuantLinear))
+    weights = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
+    copies = weights * added_bytes_per_weight(mode, fused)
     avail = available_bytes()
     if avail is None or copies <= COPY_BUDGET * avail:
         return False
-    log.info("quantized weights served from their packed codes only: bf16 copies would take %s, more than "
-             "%.0f%% of the %s free", gib(copies), 100 * COPY_BUDGET, gib(avail))
+    log.info("quantized weights served from their packed codes only: the %s kernels' copies would take %s, more "
+             "than %.0f%% of the %s free", mode, gib(copies), 100 * COPY_BUDGET, gib(avail))
     return True
 
 

@@ -94,3 +94,19 @@ def test_default_logits_are_as_close_to_exact_as_the_persistent_copies_path(tmp_
     agree = {k: float((x.argmax(-1) == exact.argmax(-1)).float().mean())
              for k, x in (("new", new_pre), ("old", old_dec))}
     assert agree["new"] >= agree["old"] - 0.05, agree
+
+
+@pytest.mark.parametrize("mode, vnni, per_weight", [("auto", True, 1), ("hybrid", True, 3), ("auto", False, 2),
+                                                    ("hybrid", False, 2)])
+def test_the_copy_budget_counts_what_the_mode_keeps(monkeypatch, mode, vnni, per_weight):
+    from compress import memory
+    from compress.qlinear import QuantLinear
+    from compress.quant import Scheme
+
+    monkeypatch.setattr(qmatmul.w8a8, "available", lambda: vnni)
+    assert qmatmul.added_bytes_per_weight(mode, fused=True) == per_weight
+    model = torch.nn.Sequential(QuantLinear(1024, 1024, Scheme(bits=4, group_size=64)))  # 2**20 weights
+    monkeypatch.setattr(memory, "available_bytes", lambda: int(per_weight * 2**20 / qmatmul.COPY_BUDGET))
+    assert not qmatmul.too_large_for_copies(model, mode)  # exactly at the budget
+    monkeypatch.setattr(memory, "available_bytes", lambda: int(per_weight * 2**20 / qmatmul.COPY_BUDGET) - 1)
+    assert qmatmul.too_large_for_copies(model, mode)
