@@ -138,7 +138,8 @@ def format_table(result: dict) -> str:
 
     cols = [k for k in ("baseline", "compressed") if result.get(k)]
     delta, comp, settings = result.get("delta"), result["compressed"], result["settings"]
-    rows = [["", *(cols if delta else ["value"])] + (["delta"] if delta else [])]  # a lone model may be uncompressed
+    heads = ["served" if result[c]["size_label"] == "served" else c for c in cols]
+    rows = [["", *(heads if delta else ["value"])] + (["delta"] if delta else [])]  # a lone model may be uncompressed
 
     def add(label: str, get, kind: str) -> None:
         change = [_fmt(get(delta), kind, True)] if delta else []

@@ -155,3 +155,19 @@ def test_compress_eval_server_matches_in_process(fp_dir, text_file, tmp_path):
         for metric in ("acc", "acc_norm"):
             assert served["accuracy"][task][metric] == pytest.approx(base["accuracy"][task][metric], abs=1e-9)
     assert "served" in run.stdout and "piqa acc_norm" in run.stdout
+
+
+def test_table_names_the_served_column_and_has_no_size_for_it():
+    from eval.report import _delta, format_table
+
+    def side(size, label, ppl):
+        return {"model": label, "size_bytes": size, "size_label": label, "ppl": {"wiki": ppl}, "accuracy": {},
+                "accuracy_avg": None}
+
+    base, served = side(100 << 20, "weight files on disk", 20.0), side(None, "served", 20.1)
+    delta = _delta(base, served)
+    assert delta["size_ratio"] is None and delta["ppl"]["wiki"] == pytest.approx(0.1)
+    table = format_table({"baseline": base, "compressed": served, "delta": delta,
+                          "settings": {"seqlen": 512, "max_windows": 4, "limit": None}})
+    head, _, model, size = table.splitlines()[:4]
+    assert head.split() == ["baseline", "served", "delta"] and size.split()[-2:] == ["-", "-"]
