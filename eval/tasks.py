@@ -184,7 +184,13 @@ def _progress_lm(model, tokenizer, batch_size: int, progress: StepProgress, labe
             self._tick(inps.shape[0])
             return logits
 
-    lm = ProgressLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    # HFLM re-ties the embeddings of the model it is given; ours come loaded and tied, and a quantized embedding
+    # (QuantEmbedding, recipes with `embed: int8`) has no .weight for transformers' tie_weights to read
+    model.tie_weights = lambda *args, **kwargs: None  # shadows the method on this instance only
+    try:
+        lm = ProgressLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    finally:
+        del model.tie_weights
     lm.progress, lm.label = progress, label
     return lm
 
