@@ -197,8 +197,16 @@ def _quiet_lm_eval() -> None:
 
 
 @main.command("eval")
-@click.argument("model_spec", metavar="MODEL")
+@click.argument("model_spec", metavar="[MODEL]", required=False)
 @click.option("--baseline", default=None, help="Model to compare against (name, HF folder or .gguf).")
+@click.option("--server", default=None, help="Score a running OpenAI-compatible server (e.g. http://127.0.0.1:8000) "
+              "in place of MODEL: lm-eval's local-completions client, ppl from echoed prompt logprobs.")
+@click.option("--tokenizer", default=None, help="--server: the served model's tokenizer (a local folder, .gguf or "
+              "embedded name) [default: the served folder, when it is on this machine].")
+@click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="--server: its key (or set OPENAI_API_KEY).")
+@click.option("--served-model", default=None, help="--server: the served name to score [default: the first listed].")
+@click.option("--concurrency", type=int, default=1, show_default=True,
+              help="--server: requests in flight, each carrying --batch-size prompts.")
 @click.option("--ppl", default="wiki", show_default=True, help="Comma-separated texts: wiki, lambada, PATH.txt, ...")
 @click.option("--tasks", default="", help="Comma-separated lm-eval tasks, e.g. hellaswag,piqa,arc_easy,winogrande.")
 @click.option("--limit", type=int, default=None, help="Score only the first N documents of each task.")
@@ -207,8 +215,9 @@ def _quiet_lm_eval() -> None:
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars on stderr.")
-def eval_cmd(model_spec, baseline, ppl, tasks, limit, seqlen, max_windows, batch_size, json_path, quiet):
-    """Perplexity, task accuracy and size of MODEL, side by side with --baseline."""
+def eval_cmd(model_spec, baseline, server, tokenizer, api_key, served_model, concurrency, ppl, tasks, limit, seqlen,
+             max_windows, batch_size, json_path, quiet):
+    """Perplexity, task accuracy and size of MODEL (or of the model a --server serves), beside --baseline."""
     import json
     from pathlib import Path
 
@@ -216,11 +225,20 @@ def eval_cmd(model_spec, baseline, ppl, tasks, limit, seqlen, max_windows, batch
     from eval.progress import Bars
     from eval.report import format_table
 
+    target = None
+    if server is not None:
+        from eval.served import ServerTarget
+
+        target = ServerTarget(server, tokenizer, api_key, served_model, concurrency)
+    elif model_spec is None:
+        raise click.UsageError("give MODEL, or --server URL to score a running server")
+    elif tokenizer or served_model:
+        raise click.UsageError("--tokenizer and --served-model apply to --server")
     _quiet_lm_eval()
     bars = Bars(quiet)
     try:
         result = api.evaluate(model_spec, baseline, _csv(ppl), _csv(tasks), limit, seqlen, max_windows, batch_size,
-                              progress=bars)
+                              progress=bars, server=target)
     finally:
         bars.close()
     click.echo(format_table(result))

@@ -39,16 +39,21 @@ def quantize(model: str, recipe: str = "awq4", out: str | Path | None = None, *,
                               allow_pickle, train_progress, stream, max_memory, offload_activations)
 
 
-def evaluate(model: str, baseline: str | None = None, ppl: Iterable[str] = ("wiki",), tasks: Iterable[str] = (),
+def evaluate(model: str | None, baseline: str | None = None, ppl: Iterable[str] = ("wiki",), tasks: Iterable[str] = (),
              limit: int | None = None, seqlen: int = 512, max_windows: int | None = None, batch_size: int = 8,
-             progress=None) -> dict:
+             progress=None, server=None) -> dict:
     """Held-out perplexity on each text in ``ppl``, accuracy on each lm-eval task, and size of ``model``, side by
-    side with ``baseline``: ``{"baseline", "compressed", "delta", "settings"}`` (eval/report.py)."""
+    side with ``baseline``: ``{"baseline", "compressed", "delta", "settings"}`` (eval/report.py). ``server`` (a
+    URL, or an eval/served.py ServerTarget) scores a running OpenAI-compatible server in place of ``model``."""
     from eval.report import evaluate as run
 
+    if isinstance(server, str):
+        from eval.served import ServerTarget
+
+        server = ServerTarget(server)
     kw = {} if progress is None else {"progress": progress}
     return run(model, baseline_spec=baseline, ppl_sources=list(ppl), tasks=list(tasks), limit=limit, seqlen=seqlen,
-               max_windows=max_windows, batch_size=batch_size, **kw)
+               max_windows=max_windows, batch_size=batch_size, server=server, **kw)
 
 
 def export(model: str, format: str, out: str | Path, *, overwrite: bool = False, dtype: str | None = None,

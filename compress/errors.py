@@ -11,7 +11,8 @@ import contextlib
 import json
 from pathlib import Path
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, MemoryError)
+# ConnectionError: a server that `compress eval --server` cannot reach (a wrong URL, or none running)
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, MemoryError, ConnectionError)
 REPORT_HINT = ("run again with -v (`compress -v ...`) for the traceback; if the model loads in transformers, "
                "please report it with that traceback and the model's config.json")
 

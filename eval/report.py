@@ -85,22 +85,33 @@ def _delta(base: dict, comp: dict) -> dict:
     acc = {t: {k: comp["accuracy"][t][k] - v for k, v in m.items() if k != "samples"}
            for t, m in base["accuracy"].items()}
     avg = None if base["accuracy_avg"] is None else comp["accuracy_avg"] - base["accuracy_avg"]
-    return {"size_bytes": comp["size_bytes"] - base["size_bytes"], "size_ratio": comp["size_bytes"] / base["size_bytes"],
+    sized = comp["size_bytes"] is not None and base["size_bytes"]  # a served model has no size here
+    return {"size_bytes": comp["size_bytes"] - base["size_bytes"] if sized else None,
+            "size_ratio": comp["size_bytes"] / base["size_bytes"] if sized else None,
             "ppl": {k: comp["ppl"][k] - v for k, v in base["ppl"].items()}, "accuracy": acc, "accuracy_avg": avg}
 
 
-def evaluate(model_spec: str, baseline_spec: str | None = None, ppl_sources: list[str] | tuple[str, ...] = ("wiki",),
-             tasks: list[str] | tuple[str, ...] = (), limit: int | None = None, seqlen: int = 512,
-             max_windows: int | None = None, batch_size: int = 8, progress: StepProgress = no_progress) -> dict:
-    """{"baseline", "compressed", "delta"}: each model's size, ppl per text (eval split) and accuracy per task."""
+def evaluate(model_spec: str | None, baseline_spec: str | None = None,
+             ppl_sources: list[str] | tuple[str, ...] = ("wiki",), tasks: list[str] | tuple[str, ...] = (),
+             limit: int | None = None, seqlen: int = 512, max_windows: int | None = None, batch_size: int = 8,
+             progress: StepProgress = no_progress, server=None) -> dict:
+    """{"baseline", "compressed", "delta"}: each model's size, ppl per text (eval split) and accuracy per task;
+    ``server`` (an eval/served.py ServerTarget) takes the place of ``model_spec``: the served model is scored."""
     from compress.data import load_texts
-    from eval.tasks import check_tasks
+    from eval.tasks import check_limit
 
-    check_tasks(list(tasks))
+    if (model_spec is None) == (server is None):
+        raise ValueError("give a MODEL to evaluate or --server URL, not both (--baseline MODEL sits beside a server)")
+    check_limit(list(tasks), limit)
     texts = {s: load_texts(s, "eval") for s in ppl_sources}  # fail on a bad source before loading any model
     args = (texts, list(tasks), limit, seqlen, max_windows, batch_size, progress)
     baseline = evaluate_model(baseline_spec, *args) if baseline_spec else None  # freed before the next load
-    compressed = evaluate_model(model_spec, *args)
+    if server is not None:
+        from eval.served import evaluate_server
+
+        compressed = evaluate_server(server, *args)
+    else:
+        compressed = evaluate_model(model_spec, *args)
     return {"baseline": baseline, "compressed": compressed,
             "delta": _delta(baseline, compressed) if baseline else None,
             "settings": {"seqlen": seqlen, "max_windows": max_windows, "limit": limit, "split": "eval"}}
@@ -127,7 +138,8 @@ def format_table(result: dict) -> str:
 
     cols = [k for k in ("baseline", "compressed") if result.get(k)]
     delta, comp, settings = result.get("delta"), result["compressed"], result["settings"]
-    rows = [["", *(cols if delta else ["value"])] + (["delta"] if delta else [])]  # a lone model may be uncompressed
+    heads = ["served" if result[c]["size_label"] == "served" else c for c in cols]
+    rows = [["", *(heads if delta else ["value"])] + (["delta"] if delta else [])]  # a lone model may be uncompressed
 
     def add(label: str, get, kind: str) -> None:
         change = [_fmt(get(delta), kind, True)] if delta else []
@@ -136,7 +148,7 @@ def format_table(result: dict) -> str:
     marks = {c: "*" if result[c]["size_label"] == SIZE_GGUF else "" for c in cols}
     rows.append(["model", *(result[c]["model"] for c in cols)] + ([""] if delta else []))
     rows.append(["size", *(_fmt(result[c]["size_bytes"], "size") + marks[c] for c in cols)]
-                + ([f"x{delta['size_ratio']:.3f}"] if delta else []))
+                + ([f"x{delta['size_ratio']:.3f}" if delta["size_ratio"] else "-"] if delta else []))
     for name in comp["ppl"]:
         add(f"ppl {_label(name)}", lambda r: r["ppl"][name], "ppl")
     for task, metrics in comp["accuracy"].items():
@@ -149,6 +161,8 @@ def format_table(result: dict) -> str:
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     notes = [f"size: {SIZE_ON_DISK}"] if not all(marks.values()) else []
+    notes += ["served: scored through the server's /v1/completions (echoed prompt logprobs)"] if any(
+        result[c]["size_label"] == "served" for c in cols) else []
     notes += [f"* {SIZE_GGUF}"] if any(marks.values()) else []
     notes.append(f"ppl: eval split, windows of {settings['seqlen']} tokens; accuracy in %")
     if comp["accuracy"] and settings["limit"]:

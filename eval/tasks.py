@@ -154,43 +154,70 @@ def _metrics(result: dict) -> dict[str, float]:
     return out
 
 
+class RequestProgress:
+    """Mixin for an lm-eval model class: one bar per task over its loglikelihood requests, ``"{label}{task}"``;
+    the subclass calls ``_tick(n)`` as requests finish. Set ``progress``, ``label`` and ``task`` on the instance."""
+
+    task, label = "", ""
+    progress = staticmethod(no_progress)  # a StepProgress
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        self._done, self._total = 0, len(requests)
+        self.progress(f"{self.label}{self.task}", 0, self._total, "req")
+        out = super().loglikelihood(requests, disable_tqdm=True)
+        self.progress(f"{self.label}{self.task}", self._total, self._total, "req")
+        return out
+
+    def _tick(self, n: int) -> None:
+        self._done = min(self._done + n, self._total - 1)
+        self.progress(f"{self.label}{self.task}", self._done, self._total, "req")
+
+
 def _progress_lm(model, tokenizer, batch_size: int, progress: StepProgress, label: str):
     """lm-eval's HFLM with its own bars off and ours on: one bar per task over its requests."""
     from lm_eval.models.huggingface import HFLM
 
-    class ProgressLM(HFLM):
-        task = ""
-
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
-            self._done, self._total = 0, len(requests)
-            progress(f"{label}{self.task}", 0, self._total, "req")
-            out = super().loglikelihood(requests, disable_tqdm=True)
-            progress(f"{label}{self.task}", self._total, self._total, "req")
-            return out
-
+    class ProgressLM(RequestProgress, HFLM):
         def _model_call(self, inps, attn_mask=None, labels=None):
             logits = super()._model_call(inps, attn_mask=attn_mask, labels=labels)
             # one row per request, except requests sharing a context and a one-token continuation
-            self._done = min(self._done + inps.shape[0], self._total - 1)
-            progress(f"{label}{self.task}", self._done, self._total, "req")
+            self._tick(inps.shape[0])
             return logits
 
-    return ProgressLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    # HFLM re-ties the embeddings of the model it is given; ours come loaded and tied, and a quantized embedding
+    # (QuantEmbedding, recipes with `embed: int8`) has no .weight for transformers' tie_weights to read
+    model.tie_weights = lambda *args, **kwargs: None  # shadows the method on this instance only
+    try:
+        lm = ProgressLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    finally:
+        del model.tie_weights
+    lm.progress, lm.label = progress, label
+    return lm
 
 
 def run_tasks(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 8,
               progress: StepProgress = no_progress, label: str = "") -> dict[str, dict[str, float]]:
     """Zero-shot lm-eval metrics per task (``limit`` = first N documents of each), e.g. {"piqa": {"acc": ...}};
     ``progress`` sees one stage per task, ``"{label}{task}"``, counting its requests."""
+    check_limit(tasks, limit)
+    return score_tasks(_progress_lm(model, tokenizer, batch_size, progress, label), tasks, limit)
+
+
+def check_limit(tasks: list[str], limit: int | None) -> None:
+    """ValueError for an unknown task or a limit below 1, before any model is loaded or server asked."""
     check_tasks(tasks)
     if limit is not None and limit < 1:
         raise ValueError(f"limit={limit} must be at least 1 (or None for every document)")
+
+
+def score_tasks(lm, tasks: list[str], limit: int | None,
+                quiet: tuple[str, ...] = ("lm_eval.api.task",)) -> dict[str, dict[str, float]]:
+    """Run each task through lm-eval with ``lm`` (any lm-eval model; ``lm.task`` is set to the running task)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    lm = _progress_lm(model, tokenizer, batch_size, progress, label)
     metrics = {}
-    with quiet_third_party(("lm_eval.api.task",)):
+    with quiet_third_party(quiet):
         for t in tasks:  # one task at a time, so the bar can say which
             lm.task = t
             # bootstrap_iters=0: no stderr estimates (lm-eval would bootstrap the lambada perplexity in a process pool)

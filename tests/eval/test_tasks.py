@@ -49,3 +49,15 @@ def test_unknown_task_and_bad_limit(make_lm, char_tokenizer):
         run_tasks(make_lm("llama"), char_tokenizer, ["hellaswag", "nope"], limit=2)
     with pytest.raises(ValueError, match="limit=0"):
         run_tasks(make_lm("llama"), char_tokenizer, ["piqa"], limit=0)
+
+
+def test_model_with_a_quantized_embedding_is_scored(make_lm, smol_tokenizer):
+    """HFLM re-ties a given model's embeddings; a tied int8 QuantEmbedding (recipes' `embed: int8`) has no .weight."""
+    from compress.embed_head import OuterPlan, quantize_outer
+    from compress.quant import Scheme
+
+    model = make_lm("llama", vocab=len(smol_tokenizer), tie=True)
+    quantize_outer(model, OuterPlan(Scheme(bits=8, group_size=-1), None, True))
+    result = run_tasks(model, smol_tokenizer, ["piqa"], limit=2, batch_size=2)
+    assert result["piqa"]["samples"] == 2
+    assert "tie_weights" not in vars(model)  # the model's own method is back

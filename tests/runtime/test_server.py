@@ -3,12 +3,11 @@ Engine on a tiny random Llama saved to a folder with a byte-level tokenizer and 
 import asyncio
 import json
 import os
-import socket
-import threading
 import time
 
 import pytest
 import torch
+from live_server import Served  # noqa: F401 (re-exported to the other server tests)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 openai = pytest.importorskip("openai")
@@ -59,36 +58,6 @@ def make_engine(model_dir, max_num_seqs=8):
 
     return Engine(EngineConfig(model=str(model_dir), max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
                                kv_cache_memory=8 << 20, block_size=16))
-
-
-class Served:
-    """uvicorn running ``create_app(engine, config)`` on a free loopback port, in a thread."""
-
-    def __init__(self, engine, **config):
-        import uvicorn
-
-        from runtime.server import ServerConfig, create_app
-
-        self.engine, self.model = engine, config["model_name"]
-        self.app = create_app(engine, ServerConfig(**config))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def client(self, key=KEY):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")
