@@ -138,10 +138,12 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
 def _gradient_graph(seqlen: int, n_layers: int, hidden: int, widest: int, block: int, vocab: int) -> int:
     """What guided GPTQ's backward over one sequence holds (compress/guided.py): each block's fp32 input and its
     gradient (checkpointed), one block's recomputed activations (~50 values of its widths per token, the old
-    per-layer figure) with its bfloat16 weights, the head's bfloat16 weight, and ~32 bytes per vocabulary entry and
-    position for the logits, their float32 copy, the log-softmax and their gradients."""
+    per-layer figure) with its bfloat16 weights, the head's bfloat16 weight, and per vocabulary entry and position
+    the bfloat16 logits, their float32 copy, the log-softmax kept for the backward, its gradient and that
+    gradient's bfloat16 copy (16 bytes; 20 with slack: a Qwen2.5-1.5B shape measured 1.2 GiB over the model for all
+    of this, 512 positions)."""
     return (2 * n_layers * seqlen * hidden * 4 + 5 * seqlen * (10 * hidden + 4 * widest) * 4 + block // 2
-            + vocab * hidden * 2 + seqlen * vocab * 32)
+            + vocab * hidden * 2 + seqlen * vocab * 20)
 
 
 TOKENIZER_BYTES_PER_TOKEN = 1024  # a folder's tokenizer: ~150 B per token measured (SmolLM2's 49,152); GGUF's: ~3 KB

@@ -42,7 +42,7 @@ def test_the_embedding_and_head_count_with_the_vocabulary():
 
 # a 262,144-token tied table on two thin blocks: the vocabulary, not the depth, sets the memory (a 270M model's shape)
 @pytest.mark.parametrize("recipe,stream,embed", [("rtn4", True, "int8"), ("awq4", True, "none"),
-                                                 ("gptq4", False, "int8")])
+                                                 ("gptq4", False, "int8"), ("guided-gptq4", False, "int8")])
 def test_the_estimate_bounds_the_peak_on_a_large_vocabulary(tmp_path, smol_tokenizer, calib_text, recipe, stream,
                                                             embed):
     from compress.config import load_recipe
