@@ -52,7 +52,7 @@ class GPTQOptions:
     # plain Hessian still takes them all (a forward pass covers the rest): about half the pass's time at half
     guided_nsamples: int = 0
     # False: each block's Hessians on the fp model's activations (the fp block's outputs go on to the next block, and
-    # no quantized block is run: one forward per block, not two; products in the calib_dtype), compress/gptq.py
+    # no quantized block is run: one forward per block, not two), compress/gptq.py
     sequential: bool = True
 
     def __post_init__(self):

@@ -182,12 +182,11 @@ def _result(Q: Tensor, scales: Tensor, zeros: Tensor | None, loss: Tensor, schem
 
 # -- the adapter: hooks that accumulate each linear's Hessian in a decoder block --------------------
 def observe(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs,
-            weights: dict[str, list[Tensor]] | None = None, product: torch.dtype = torch.float32,
-            outputs: list[Tensor] | None = None) -> dict[str, Hessian]:
-    """Each linear's Hessian over the block's calibration inputs, its products in ``product``; linears fed the very
-    same tensor (q/k/v) share one, unless ``weights`` (per linear, each batch's token weights) tell their tokens
-    apart. ``outputs``, when given, receives the block's outputs of that forward."""
-    hessians = {n: Hessian.zeros(m.in_features, product) for n, m in linears.items()}
+            weights: dict[str, list[Tensor]] | None = None, outputs: list[Tensor] | None = None) -> dict[str, Hessian]:
+    """Each linear's Hessian over the block's calibration inputs; linears fed the very same tensor (q/k/v) share one,
+    unless ``weights`` (per linear, each batch's token weights) tell their tokens apart. ``outputs``, when given,
+    receives the block's outputs of that forward."""
+    hessians = {n: Hessian.zeros(m.in_features) for n, m in linears.items()}
     owners = InputOwners()
     calls = dict.fromkeys(linears, 0)
 
@@ -255,13 +254,13 @@ def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], h
 def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     """GPTQ, block by block, then each block's MoE experts. Each block's Hessians are taken on the previous blocks'
     quantized outputs, or with ``sequential: false`` on the fp model's (the fp block's outputs, seen while its
-    Hessians are taken, go on to the next block: one forward per block, not two; products in the calib_dtype).
+    Hessians are taken, go on to the next block: one forward per block, not two). Products in float32: from
+    bfloat16 ones SmolLM2's block 0 o_proj Hessian is not positive definite even at damp 0.05.
     ``guided``: the gradient pass (compress/guided.py) first weighs every token of each linear's Hessian. With
     held-out batches (``run.holdout``), GPTQ fits on the others and each linear keeps RTN where that is better on
     them (the MoE experts, not judged, fit on every batch)."""
     prefix = layers_name(model)
     fp = not cfg.gptq.sequential
-    product = autocast_of(cfg.calib_dtype) if fp else None
     tw = guided.token_weights(model, run.fit_batches, cfg.ignore, cfg.gptq.guided_mix, cfg.gptq.guided_nsamples,
                               run.progress) if cfg.gptq.guided else None
 
@@ -270,7 +269,7 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
         weights = None if tw is None else {n: tw.pop((i, n)) for n in linears}
         fit_inputs, held_inputs = inputs.split(run.holdout)
         outputs = empty_like(inputs.hidden) if fp else None  # the fp block's, fit batches first, as they come in
-        hessians = observe(block, linears, fit_inputs, weights, product or torch.float32, outputs)
+        hessians = observe(block, linears, fit_inputs, weights, outputs)
         held = None if held_inputs is None else observe(block, linears, held_inputs, outputs=outputs)
         _quantize_linears(i, block, linears, hessians, cfg, run, held, f"{prefix}.{i}.")
         if run.experts is not None:
