@@ -63,9 +63,9 @@ class BlockInputs:
                 BlockInputs(_part(self.hidden, n, len(self.hidden)), self.kwargs[n:], self.autocast))
 
     @torch.inference_mode()
-    def forward(self, block: nn.Module) -> list[Tensor]:
-        """Run ``block`` on every batch; returns its output hidden states."""
-        outs = empty_like(self.hidden)
+    def forward(self, block: nn.Module, outs: list[Tensor] | None = None) -> list[Tensor]:
+        """Run ``block`` on every batch; returns its output hidden states (appended to ``outs`` when given)."""
+        outs = empty_like(self.hidden) if outs is None else outs
         with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
             for h, kw in zip(self.hidden, self.kwargs):
                 out = block(h, **kw)
@@ -152,7 +152,9 @@ def check_finite(hidden: list[Tensor], where: str) -> None:
                              "(try float32, or another --calib source)")
 
 
-PerBlock = Callable[[int, nn.Module, BlockInputs], None]
+# a per-block step may return the block's outputs, taken before it quantized the block: the driver hands those on
+# (GPTQ's sequential: false, the fp model's activations) instead of running the quantized block
+PerBlock = Callable[[int, nn.Module, BlockInputs], "list[Tensor] | None"]
 
 
 class BlockStore:
@@ -220,9 +222,9 @@ def autocast_of(calib_dtype: str) -> torch.dtype | None:
 
 def _tagged(per_block: PerBlock, n: int) -> PerBlock:
     """``per_block`` whose faults say which block they happened in (compress/errors.py)."""
-    def tagged(i: int, block: nn.Module, inputs: BlockInputs | None) -> None:
+    def tagged(i: int, block: nn.Module, inputs: BlockInputs | None) -> list[Tensor] | None:
         with during(f"quantizing block {i} of {n}"):
-            per_block(i, block, inputs)
+            return per_block(i, block, inputs)
     return tagged
 
 
@@ -239,10 +241,21 @@ def run_blocks(model: nn.Module, per_block: PerBlock, progress: Progress | None 
             progress(i + 1, len(layers))
 
 
+def _forward_quantized(block: nn.Module, inputs: BlockInputs) -> list[Tensor]:
+    cached = [m for m in block.modules() if hasattr(m, "cache_weight")]  # packed linears just swapped in
+    for m in cached:  # dequantize once for all batches, not once per batch
+        m.cache_weight()
+    try:
+        return inputs.forward(block)
+    finally:
+        for m in cached:
+            m.cache_weight(False)
+
+
 def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock, progress: Progress | None = None,
                    autocast: torch.dtype | None = None, store: BlockStore = IN_MEMORY) -> None:
     """Call ``per_block(i, block, inputs)`` for each decoder block in order, feeding each block the
-    outputs of the already-processed (quantized) previous block."""
+    outputs of the already-processed (quantized) previous block, or those ``per_block`` returned."""
     layers = decoder_layers(model)
     per_block = _tagged(per_block, len(layers))
     store.load(0, layers[0])
@@ -252,13 +265,9 @@ def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
     check_finite(inputs.hidden, "entering block 0")
     for i, block in enumerate(layers):
         store.load(i, block)
-        per_block(i, block, inputs)
-        cached = [m for m in block.modules() if hasattr(m, "cache_weight")]  # packed linears just swapped in
-        for m in cached:  # dequantize once for all batches, not once per batch
-            m.cache_weight()
-        outputs = inputs.forward(block)
-        for m in cached:
-            m.cache_weight(False)
+        outputs = per_block(i, block, inputs)
+        if outputs is None:
+            outputs = _forward_quantized(block, inputs)
         store.release(i, block)
         check_finite(outputs, f"after block {i}")
         inputs = BlockInputs(outputs, inputs.kwargs, autocast)

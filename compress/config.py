@@ -51,8 +51,8 @@ class GPTQOptions:
     # the gradient pass covers the first guided_nsamples calibration sequences (0, or more than nsamples: all); the
     # plain Hessian still takes them all (a forward pass covers the rest): about half the pass's time at half
     guided_nsamples: int = 0
-    # False: every Hessian from one pass of the fp model (compress/onepass.py; with guided, the gradient pass itself),
-    # no block-by-block forwards of the quantized blocks: faster, all Hessians held at once; not streamed
+    # False: each block's Hessians on the fp model's activations (the fp block's outputs go on to the next block, and
+    # no quantized block is run: one forward per block, not two), compress/gptq.py
     sequential: bool = True
 
     def __post_init__(self):

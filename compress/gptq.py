@@ -14,12 +14,12 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from compress import fallback, guided, onepass, rtn
-from compress.calibrate import (BlockInputs, Run, autocast_of, layers_name, run_blocks, run_sequential, swap_linear,
-                               target_linears)
+from compress import fallback, guided, rtn
+from compress.calibrate import BlockInputs, Run, autocast_of, layers_name, run_sequential, swap_linear, target_linears
 from compress.config import GPTQOptions, QuantizeConfig
 from compress.hessian import Hessian, InputOwners
 from compress.moe import ExpertResult, intermediate
+from compress.offload import empty_like
 from compress.quant import QuantizedWeight, Scheme, find_params, mse_params, weighted_range_params
 
 log = logging.getLogger(__name__)
@@ -182,9 +182,10 @@ def _result(Q: Tensor, scales: Tensor, zeros: Tensor | None, loss: Tensor, schem
 
 # -- the adapter: hooks that accumulate each linear's Hessian in a decoder block --------------------
 def observe(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs,
-            weights: dict[str, list[Tensor]] | None = None) -> dict[str, Hessian]:
-    """Each linear's Hessian over the block's calibration inputs; linears fed the very same tensor (q/k/v)
-    share one, unless ``weights`` (per linear, each batch's token weights) tell their tokens apart."""
+            weights: dict[str, list[Tensor]] | None = None, outputs: list[Tensor] | None = None) -> dict[str, Hessian]:
+    """Each linear's Hessian over the block's calibration inputs; linears fed the very same tensor (q/k/v) share one,
+    unless ``weights`` (per linear, each batch's token weights) tell their tokens apart. ``outputs``, when given,
+    receives the block's outputs of that forward."""
     hessians = {n: Hessian.zeros(m.in_features) for n, m in linears.items()}
     owners = InputOwners()
     calls = dict.fromkeys(linears, 0)
@@ -201,7 +202,7 @@ def observe(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
     try:
-        inputs.forward(block)
+        inputs.forward(block, outputs)
     finally:
         for h in handles:
             h.remove()
@@ -251,42 +252,27 @@ def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], h
 
 
 def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
-    """GPTQ, block by block on the previous blocks' quantized outputs, then each block's MoE experts; or, with
-    ``sequential: false``, every Hessian from one pass of the fp model first (compress/onepass.py). With held-out
-    batches (``run.holdout``), GPTQ fits on the others and each linear keeps RTN where that is better on them (the
-    MoE experts, not judged, fit on every batch)."""
+    """GPTQ, block by block, then each block's MoE experts. Each block's Hessians are taken on the previous blocks'
+    quantized outputs, or with ``sequential: false`` on the fp model's (the fp block's outputs, seen while its
+    Hessians are taken, go on to the next block: one forward per block, not two). Products in float32: from
+    bfloat16 ones SmolLM2's block 0 o_proj Hessian is not positive definite even at damp 0.05.
+    ``guided``: the gradient pass (compress/guided.py) first weighs every token of each linear's Hessian. With
+    held-out batches (``run.holdout``), GPTQ fits on the others and each linear keeps RTN where that is better on
+    them (the MoE experts, not judged, fit on every batch)."""
     prefix = layers_name(model)
-    fit = run.fit_batches
-    if not cfg.gptq.sequential:
-        autocast = autocast_of(cfg.calib_dtype)
-        hs = onepass.hessians(model, fit, cfg.ignore, cfg.gptq.guided, autocast, cfg.gptq.guided_mix,
-                              cfg.gptq.guided_nsamples)
-        # the held-out windows go through the fp blocks one at a time, as the pass saw them: one block's
-        # held-out Hessians at a time, not every layer's at once
-        held_inputs = run.store.capture(model, run.held_batches) if run.holdout else None
+    fp = not cfg.gptq.sequential
+    tw = guided.token_weights(model, run.fit_batches, cfg.ignore, cfg.gptq.guided_mix, cfg.gptq.guided_nsamples,
+                              run.progress) if cfg.gptq.guided else None
 
-        def from_pass(i: int, block: nn.Module, _) -> None:
-            nonlocal held_inputs
-            linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
-            held = None
-            if held_inputs is not None:
-                held_inputs.autocast = autocast
-                held = observe(block, linears, held_inputs)
-                held_inputs = BlockInputs(held_inputs.forward(block), held_inputs.kwargs, autocast)
-            _quantize_linears(i, block, linears, {n: hs.pop((i, n)) for n in linears}, cfg, run, held,
-                              f"{prefix}.{i}.")
-        run_blocks(model, from_pass, run.progress, run.store)
-        return
-    tw = guided.token_weights(model, fit, cfg.ignore, cfg.gptq.guided_mix,
-                                 cfg.gptq.guided_nsamples) if cfg.gptq.guided else None
-
-    def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
+    def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> list[Tensor] | None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
         weights = None if tw is None else {n: tw.pop((i, n)) for n in linears}
         fit_inputs, held_inputs = inputs.split(run.holdout)
-        held = None if held_inputs is None else observe(block, linears, held_inputs)
-        _quantize_linears(i, block, linears, observe(block, linears, fit_inputs, weights), cfg, run, held,
-                          f"{prefix}.{i}.")
+        outputs = empty_like(inputs.hidden) if fp else None  # the fp block's, fit batches first, as they come in
+        hessians = observe(block, linears, fit_inputs, weights, outputs)
+        held = None if held_inputs is None else observe(block, linears, held_inputs, outputs=outputs)
+        _quantize_linears(i, block, linears, hessians, cfg, run, held, f"{prefix}.{i}.")
         if run.experts is not None:
             run.report.layers.extend(run.experts(i, block, inputs, partial(quantize_expert, cfg=cfg)))
+        return outputs
     run_sequential(model, run.batches, per_block, run.progress, autocast_of(cfg.calib_dtype), run.store)

@@ -8,18 +8,24 @@ One forward and backward pass of the fp model over the calibration batches, befo
 sequence at a time (one autograd graph and one sequence's logits in memory, whatever the batch size): for every
 quantized linear, the squared norm of the next-token cross-entropy's gradient at its output, per token, normalised
 to mean 1 over the calibration tokens. The pass runs under bfloat16 autocast (only the weights' magnitudes matter,
-and it halves the time); the model's parameters get no gradients.
+and it halves the time); the model's parameters get no gradients. Each decoder block's activations are recomputed
+in the backward rather than kept (activation checkpointing): the graph otherwise holds every block's activations
+and, under autocast, a bfloat16 copy of every weight (half the fp32 model again: 3 GB at 1.5B parameters), for one
+more forward of the blocks.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-from compress.calibrate import decoder_layers, layers_name, target_linears
+from compress.calibrate import Progress, decoder_layers, layers_name, target_linears
 
 log = logging.getLogger(__name__)
 
@@ -34,38 +40,53 @@ def quantized_linears(model: nn.Module, ignore: tuple[str, ...] = ()) -> dict[Ke
             for n, m in target_linears(block, ignore, f"{prefix}.{i}.").items()}
 
 
+@contextlib.contextmanager
+def recomputed(layers: nn.ModuleList) -> Iterator[None]:
+    """Each block's forward under non-reentrant activation checkpointing: the backward recomputes what it needs
+    from the block's input (module hooks fire in the recomputation too: forward hooks twice, backward hooks once)."""
+    own = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for layer, fwd in zip(layers, own):
+            if fwd is None:
+                del layer.forward
+            else:
+                layer.forward = fwd
+
+
 def gradient_pass(model: nn.Module, batches: list[Tensor], linears: dict[Key, nn.Linear],
-                  on_grad: Callable[[Key, Tensor], None], on_input: Callable[[Key, Tensor], None] | None = None) -> None:
+                  on_grad: Callable[[Key, Tensor], None], progress: Progress | None = None) -> None:
     """The fp model's forward and backward over every calibration sequence, one at a time (one graph and one
-    sequence's logits in memory), under bfloat16 autocast, the next-token cross-entropy summed. ``on_input(key, x)``
-    sees each linear's input in the forward, ``on_grad(key, g)`` the loss gradient at its output ``[1, seq, out]``
-    in the backward (so a sequence's inputs are seen before its gradients; linears fed the same tensor are given
-    that very object, still in the graph: detach it to keep it). The parameters get no gradients."""
+    sequence's logits in memory; the blocks checkpointed), under bfloat16 autocast, the next-token cross-entropy
+    summed. ``on_grad(key, g)`` sees the loss gradient at each linear's output ``[1, seq, out]`` in the backward;
+    ``progress(done, total, "sequence")`` after each sequence. The parameters get no gradients."""
     def backward_hook(key: Key):
         def fn(module, grad_in, grad_out) -> None:  # returns None: the gradients flow on unchanged
             on_grad(key, grad_out[0].detach())
         return fn
 
-    def input_hook(key: Key):
-        def fn(module, args) -> None:
-            on_input(key, args[0])
-        return fn
     handles = [lin.register_full_backward_hook(backward_hook(key)) for key, lin in linears.items()]
-    if on_input is not None:
-        handles += [lin.register_forward_pre_hook(input_hook(key)) for key, lin in linears.items()]
     # the parameters need no gradient: the embeddings' output is where the graph starts
     handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
-    log.info("guided: the fp model's forward and backward over %d calibration batches", len(batches))
+    rows = [row for b in batches for row in b.split(1)]
+    log.info("guided: the fp model's forward and backward over %d calibration sequences", len(rows))
     t0 = time.perf_counter()
     try:
-        for ids in (row for b in batches for row in b.split(1)):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(input_ids=ids, use_cache=False).logits
-            loss = nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
-            loss.backward()
+        with recomputed(decoder_layers(model)):
+            for done, ids in enumerate(rows, 1):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logits = model(input_ids=ids, use_cache=False).logits
+                loss = nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
+                del logits
+                loss.backward()
+                if progress:
+                    progress(done, len(rows), "sequence")
     finally:
         for h in handles:
             h.remove()
@@ -81,17 +102,18 @@ def token_weight(g: Tensor) -> Tensor:
 
 
 def token_weights(model: nn.Module, batches: list[Tensor], ignore: tuple[str, ...] = (), mix: float = 1.0,
-                  nsamples: int = 0) -> TokenWeights:
+                  nsamples: int = 0, progress: Progress | None = None) -> TokenWeights:
     """Each quantized linear's per-token weight, one tensor per calibration batch: ``mix * ||dL/dy||^2 / m + (1 -
     mix)``, the gradient pass covering the first ``nsamples`` sequences (0: all; the others' gradient term is 0), ``m``
-    the mean over every token. The Hessian they weigh is ``mix`` parts the gradient-weighted one over the covered
-    tokens and ``1 - mix`` the plain one over all."""
+    the mean over every token. The Hessian they weigh, ``2 sum(w x x^T) / tokens``, is ``mix`` parts the
+    gradient-weighted one over the covered tokens (``2 sum(g x x^T) / sum(g)``) and ``1 - mix`` the plain one over
+    all. Small: one float per token and linear."""
     linears = quantized_linears(model, ignore)
     sums: dict[Key, list[Tensor]] = {key: [] for key in linears}
     rows = torch.cat(batches)
     k = min(nsamples or rows.shape[0], rows.shape[0])
     gradient_pass(model, list(rows[:k].split(batches[0].shape[0])), linears,
-                  lambda key, g: sums[key].append(token_weight(g)))
+                  lambda key, g: sums[key].append(token_weight(g)), progress)
     sizes = [b.shape[0] for b in batches]
     out: TokenWeights = {}
     for key, covered in sums.items():  # backward visits each sequence once: the rows are in calibration order

@@ -91,8 +91,6 @@ def why_not_streamed(src, cfg: QuantizeConfig) -> str | None:
         return "the source is already a quantized checkpoint"
     if cfg.gptq.guided:
         return "guided GPTQ backpropagates through the whole model"
-    if not cfg.gptq.sequential:
-        return "sequential: false takes every Hessian from one pass of the whole fp model"
     return None
 
 

@@ -65,14 +65,19 @@ class MemoryPlan:
     activations: int
     statistics: int
     training: int = 0  # gradients, optimizer state and one step's graph, for QAT / uptraining
-    gradients: int = 0  # guided GPTQ's backward pass over one sequence, and the token weights it keeps
+    gradients: int = 0  # guided GPTQ's backward pass over one sequence: freed before the blocks' activations exist
     teacher: int = 0  # QAT's fp teacher, held from before the PTQ start to the end of training
     phased: bool = False  # QAT: the PTQ start's activations, statistics and gradients are freed before training
     outer: int = 0  # the embedding and head's reads, codes and temporaries, and the tokenizer (:func:`outer_bytes`)
 
     @property
+    def ptq(self) -> int:
+        """The calibration's own peak: the gradient pass, then the blocks' activations and statistics."""
+        return max(self.gradients, self.activations + self.statistics)
+
+    @property
     def peak(self) -> int:
-        ptq = self.activations + self.statistics + self.gradients
+        ptq = self.ptq
         work = max(ptq, self.training) if self.phased else ptq + self.training
         return BASE_BYTES + self.weights + self.teacher + work + self.outer
 
@@ -98,21 +103,21 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
     calib = cfg.needs_calibration
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     hidden = text.hidden_size
-    tokens = (min(cfg.batch_size, cfg.nsamples) if offload else cfg.nsamples) * cfg.seqlen if calib else 0
+    batch = min(cfg.batch_size, cfg.nsamples) if calib else 0
+    tokens = (batch if offload else cfg.nsamples) * cfg.seqlen if calib else 0
     if cfg.method == "qat":  # QAT trains on token batches; only its PTQ start holds activations, of its own tokens
         from compress.qat import PTQ_INIT_TOKENS
         tokens = 0 if cfg.qat.init == "rtn" else min(tokens, PTQ_INIT_TOKENS)
     activations = 3 * tokens * hidden * 4  # a block's inputs, its outputs, and one batch's intermediates
     statistics = 0
     if cfg.gptq_rounding:
-        # the Hessians, then GPTQ's working copy of the widest and the next factor made from it (compress/gptq.py);
-        # sequential: false holds every block's at once (compress/onepass.py), and no block's activations
-        blocks = 1 if cfg.gptq.sequential else len(layers)
-        if not cfg.gptq.sequential and cfg.gptq.guided and cfg.gptq.guided_mix < 1:
-            blocks *= 2  # the plain totals beside the weighted ones (shared by inputs: fewer, counted as many)
-        statistics = blocks * sum(m.in_features ** 2 for m in linears) * 4 + 2 * widest ** 2 * 4
-        if not cfg.gptq.sequential:
-            activations = 0 if cfg.gptq.guided else cfg.batch_size * cfg.seqlen * (6 * hidden + 2 * widest) * 4
+        # one block's Hessians (one per linear: shared ones counted as many), then GPTQ's working copy of the widest
+        # and the next factor made from it (compress/gptq.py)
+        statistics = sum(m.in_features ** 2 for m in linears) * 4 + 2 * widest ** 2 * 4
+        if cfg.gptq.guided:  # the gradient pass's token weights: one float per token and linear, kept to the end
+            statistics += len(linears) * len(layers) * cfg.nsamples * cfg.seqlen * 4
+        # a batch's intermediates at the MLP's width, where they outgrow a third set of hidden states
+        activations = max(activations, 2 * tokens * hidden * 4 + batch * cfg.seqlen * (6 * hidden + 2 * widest) * 4)
     if cfg.method == "awq" or cfg.method == "qat" and cfg.qat.init == "awq":
         statistics += len(linears) * cfg.awq.search_tokens * widest * 4
     outer = outer_bytes(model, cfg, streamed)
@@ -124,12 +129,21 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
         # gradients + Adam's two moments, and one step's graph; the fp teacher
         training, teacher = 3 * whole + _train_graph(cfg, len(layers), hidden, widest, text.vocab_size), whole
     gradients = 0
-    if cfg.gptq_rounding and cfg.gptq.guided:  # compress/guided.py: one sequence's graph, its logits, the weights
-        graph = 5 * cfg.seqlen * (10 * hidden + 4 * widest) * 4 * len(layers) + cfg.seqlen * text.vocab_size * 32
-        kept = len(linears) * len(layers) * cfg.nsamples * cfg.seqlen * 4 if cfg.gptq.sequential else 0  # the weights
-        gradients = graph + kept
+    if cfg.gptq_rounding and cfg.gptq.guided:  # compress/guided.py: one sequence's graph, the blocks checkpointed
+        gradients = _gradient_graph(cfg.seqlen, len(layers), hidden, widest, block, text.vocab_size)
     phased = cfg.method == "qat" and cfg.qat.init != "rtn"  # compress/qat.py: init_ptq returns, then training
     return MemoryPlan(whole + block, activations, statistics, training, gradients, teacher, phased, outer)
+
+
+def _gradient_graph(seqlen: int, n_layers: int, hidden: int, widest: int, block: int, vocab: int) -> int:
+    """What guided GPTQ's backward over one sequence holds (compress/guided.py): each block's fp32 input and its
+    gradient (checkpointed), one block's recomputed activations (~50 values of its widths per token, the old
+    per-layer figure) with its bfloat16 weights, the head's bfloat16 weight, and per vocabulary entry and position
+    the bfloat16 logits, their float32 copy, the log-softmax kept for the backward, its gradient and that
+    gradient's bfloat16 copy (16 bytes; 20 with slack). The Qwen2.5-1.5B shape (28 blocks, 151,936 entries, 512
+    positions) peaked 2.5 GiB over the loaded model's resident set (VmHWM 10.40 GiB); this counts 2.62 GiB."""
+    return (2 * n_layers * seqlen * hidden * 4 + 5 * seqlen * (10 * hidden + 4 * widest) * 4 + block // 2
+            + vocab * hidden * 2 + seqlen * vocab * 20)
 
 
 TOKENIZER_BYTES_PER_TOKEN = 1024  # a folder's tokenizer: ~150 B per token measured (SmolLM2's 49,152); GGUF's: ~3 KB

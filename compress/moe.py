@@ -46,8 +46,8 @@ def expert_layout(model: nn.Module, cfg) -> ExpertLayout | None:
     if cfg.method == "qat":
         raise ValueError(f"method qat does not train mixture-of-experts experts ({mt}); use gptq, awq or rtn")
     if not cfg.gptq.sequential:
-        raise ValueError(f"sequential: false takes every Hessian from one pass of the fp model, and a mixture-of-experts "
-                         f"model's experts ({mt}) are calibrated block by block on their routed tokens: remove "
+        raise ValueError(f"sequential: false takes every Hessian on the fp model's activations, and a mixture-of-experts "
+                         f"model's experts ({mt}) are calibrated on the quantized blocks' routed tokens: remove "
                          "sequential: false")
     return layout
 

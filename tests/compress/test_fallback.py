@@ -98,9 +98,9 @@ def _model(misled: bool):
 CFG = {"bits": 4, "group_size": 32, "search_tokens": 64, "grid": 5, "clip_grid": 5}
 
 
-METHODS = {"gptq": {"method": "gptq"}, "gptq-act-order": {"method": "gptq", "act_order": True}, "gptq-onepass": {"method": "gptq", "sequential": False},
+METHODS = {"gptq": {"method": "gptq"}, "gptq-act-order": {"method": "gptq", "act_order": True}, "gptq-fp": {"method": "gptq", "sequential": False},
            "guided-gptq": {"method": "gptq", "guided": True},
-           "guided-onepass": {"method": "gptq", "guided": True, "guided_mix": 0.5, "sequential": False},
+           "guided-fp": {"method": "gptq", "guided": True, "guided_mix": 0.5, "sequential": False},
            "awq": {"method": "awq"}, "awq-gptq": {"method": "awq", "rounding": "gptq"}}
 
 

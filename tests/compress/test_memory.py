@@ -22,10 +22,10 @@ def test_qat_from_gptq_peaks_at_the_larger_phase_not_their_sum():
                   nsamples=64, seqlen=64)
     p = _plan(**fields)
     trained = _plan(method="qat", init="rtn", nsamples=64, seqlen=64)
-    ptq = p.activations + p.statistics + p.gradients
     assert p.statistics > 0 and p.gradients > 0 and p.training == trained.training
-    assert p.peak == BASE_BYTES + p.weights + p.teacher + max(ptq, p.training) + p.outer
-    assert p.peak < BASE_BYTES + p.weights + p.teacher + ptq + p.training + p.outer
+    assert p.ptq == max(p.gradients, p.activations + p.statistics)  # the gradient pass's graph goes before the blocks
+    assert p.peak == BASE_BYTES + p.weights + p.teacher + max(p.ptq, p.training) + p.outer
+    assert p.peak < BASE_BYTES + p.weights + p.teacher + p.ptq + p.training + p.outer
 
 
 def test_training_graph_grows_with_the_batch_and_the_autocast_width():
@@ -42,7 +42,7 @@ def test_the_embedding_and_head_count_with_the_vocabulary():
 
 # a 262,144-token tied table on two thin blocks: the vocabulary, not the depth, sets the memory (a 270M model's shape)
 @pytest.mark.parametrize("recipe,stream,embed", [("rtn4", True, "int8"), ("awq4", True, "none"),
-                                                 ("gptq4", False, "int8")])
+                                                 ("gptq4", False, "int8"), ("guided-gptq4", False, "int8")])
 def test_the_estimate_bounds_the_peak_on_a_large_vocabulary(tmp_path, smol_tokenizer, calib_text, recipe, stream,
                                                             embed):
     from compress.config import load_recipe

@@ -38,7 +38,7 @@ READS = {
 }
 # a MoE model's experts read the same (qat refuses MoE models), and how many routed tokens calibrate one
 # (guided GPTQ weights the dense linears' tokens only: the experts are compared alone here, so it is not listed;
-# sequential: false is refused on a MoE model, tests/compress/test_onepass.py)
+# sequential: false is refused on a MoE model, tests/compress/test_gptq_fp.py)
 # the experts are not judged against RTN: they fit on every calibration window, held out or not
 MOE_READS = {m: READS[m] - {"guided", "guided_mix", "guided_nsamples", "sequential"} - FALLBACK
              | ({"moe_min_tokens"} if m in ("gptq", "awq") else set()) for m in ("rtn", "nf4", "gptq", "awq")}

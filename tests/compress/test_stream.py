@@ -26,11 +26,12 @@ def _save(tmp_path, family, tokenizer, **kw) -> Path:
     return path
 
 
-@pytest.mark.parametrize("family,recipe", [("llama", "rtn4"), ("qwen2", "gptq4"), ("gemma", "awq4"),
-                                           ("mixtral", "gptq4")])
-def test_streamed_equals_in_memory(tmp_path, smol_tokenizer, calib_text, family, recipe):
+# sequential: false (gptq on the fp model's activations) is block by block as well: it streams
+@pytest.mark.parametrize("family,recipe,extra", [("llama", "rtn4", {}), ("qwen2", "gptq4", {}), ("gemma", "awq4", {}),
+                                                 ("mixtral", "gptq4", {}), ("llama", "gptq4", {"sequential": False})])
+def test_streamed_equals_in_memory(tmp_path, smol_tokenizer, calib_text, family, recipe, extra):
     src = _save(tmp_path, family, smol_tokenizer)
-    cfg = load_recipe(recipe).replace(calib=str(calib_text), nsamples=4, seqlen=32, batch_size=2)
+    cfg = load_recipe(recipe).replace(calib=str(calib_text), nsamples=4, seqlen=32, batch_size=2, **extra)
     streamed = quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True)
     whole = quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False)
     assert streamed.streamed and not whole.streamed
