@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from compress.checkpoint import set_module
 from compress.qlinear import QuantEmbedding, QuantLinear
-from compress.quant import Scheme, compute_qparams, pack, quantize
+from compress.quant import QuantizedWeight, Scheme, compute_qparams, pack, quantize
 
 # per row symmetric int8 (llama.cpp's Q8_0 width, and what the runtime's int8 packed kernel takes); int4 in groups of
 # 32 with zero points (Q4_1's grid); the same as the runtime's load-time head rounding (runtime/kernels/qmatmul.py)
@@ -83,6 +83,18 @@ def quantize_table(slabs: Iterable[Tensor], rows: int, cols: int, scheme: Scheme
     return table
 
 
+def table_of(qw: QuantizedWeight) -> QuantEmbedding:
+    """The packed table of codes already rounded (a calibrated head, compress/head_gptq.py): natural column order."""
+    assert qw.g_idx is None, "a table's groups are consecutive columns"
+    rows, cols = qw.q.shape
+    table = QuantEmbedding(rows, cols, qw.scheme)
+    table.qweight.copy_(pack(qw.q, qw.scheme.bits))
+    table.scales.copy_(qw.scale)
+    if qw.zero is not None:
+        table.qzeros.copy_(qw.zero)
+    return table
+
+
 def row_slabs(weight: Tensor, step: int = SLAB_ROWS) -> Iterable[Tensor]:
     for s in range(0, weight.shape[0], step):
         yield weight[s:s + step].detach()
@@ -93,9 +105,10 @@ def _scale_of(emb: nn.Module) -> float | None:
     return getattr(emb, "scalar_embed_scale", None)
 
 
-def quantize_outer(model: nn.Module, plan: OuterPlan) -> None:
+def quantize_outer(model: nn.Module, plan: OuterPlan, head_codes: QuantizedWeight | None = None) -> None:
     """In place: the embedding becomes a :class:`QuantEmbedding` and the head a QuantLinear as ``plan`` says (a
-    tied head reads the embedding's buffers)."""
+    tied head reads the embedding's buffers); an untied head takes ``head_codes`` when given (its calibrated
+    rounding, compress/head_gptq.py), else RTN."""
     if plan.embed is not None:
         emb = model.get_input_embeddings()
         q = quantize_table(row_slabs(emb.weight), emb.num_embeddings, emb.embedding_dim, plan.embed, _scale_of(emb))
@@ -105,7 +118,11 @@ def quantize_outer(model: nn.Module, plan: OuterPlan) -> None:
     if plan.head is not None:
         name = head_name(model)
         head = model.get_submodule(name)
-        q = quantize_table(row_slabs(head.weight), head.out_features, head.in_features, plan.head)
+        if head_codes is not None:
+            assert head_codes.scheme == plan.head and head_codes.q.shape == head.weight.shape
+            q = table_of(head_codes)
+        else:
+            q = quantize_table(row_slabs(head.weight), head.out_features, head.in_features, plan.head)
         lin = q.as_linear(tied=False)
         if head.bias is not None:
             lin.bias = nn.Parameter(head.bias.detach().clone(), requires_grad=False)

@@ -151,6 +151,8 @@ def outer_bytes(model: nn.Module, cfg, streamed: bool) -> int:
     schemes = [s for s in (plan.embed, plan.head) if s is not None]
     codes = sum(vocab * hidden * s.bits // 8 + vocab * s.n_groups(hidden) * 3 for s in schemes)
     work = CHUNK_VALUES * 48 if schemes else 0  # fp32 values, grouped copies, int64 codes while packing
+    if plan.head is not None and cfg.calibrated_head:  # compress/head_gptq.py: GPTQ's fp32 copy of the head, its
+        work += 6 * 4 * vocab * hidden  # uint8 codes, both dequantized candidates and the held-out error's products
     reads = 5 * SLAB_BYTES if streamed else 2 * tables * 2
     return reads + codes + work + vocab * TOKENIZER_BYTES_PER_TOKEN
 
