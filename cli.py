@@ -255,10 +255,12 @@ def eval_cmd(model_spec, baseline, ppl, tasks, limit, seqlen, max_windows, batch
               "[default: 30% of the baseline].")
 @click.option("--max-ppl-increase", type=float, default=5.0, show_default=True,
               help="Percent over the baseline's perplexity the 'smallest' and 'fastest' recommendations allow.")
+@click.option("--fp-tables", is_flag=True, help="Beside each recipe that quantizes the embedding/LM head, the same "
+              "recipe with them full width (RECIPE-fp-tables: embed/head none): what the tables cost and save.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars on stderr.")
 def report_cmd(model_spec, out, recipes, variants, exports, ppl, seqlen, max_windows, tasks, limit, batch_size,
                concurrency, prompt_len, output_len, no_speed, nsamples, calib_seqlen, max_size, max_ppl_increase,
-               quiet):
+               fp_tables, quiet):
     """Quality vs size vs speed of every variant of MODEL: report.md/.json/.html and plots in --out."""
     import shlex
 
@@ -271,7 +273,7 @@ def report_cmd(model_spec, out, recipes, variants, exports, ppl, seqlen, max_win
                        tasks=tuple(_csv(tasks)), limit=limit, batch_size=batch_size, speed=not no_speed,
                        concurrency=concurrency, prompt_len=prompt_len, output_len=output_len, calib_nsamples=nsamples,
                        calib_seqlen=calib_seqlen, max_size=parse_size(max_size) if max_size else None,
-                       max_ppl_increase=max_ppl_increase)
+                       max_ppl_increase=max_ppl_increase, fp_tables=fp_tables)
     _quiet_lm_eval()
     bars = Bars(quiet)
     try:
