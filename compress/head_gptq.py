@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from compress import fallback, gptq, rtn
-from compress.calibrate import autocast_of, backbone
+from compress.calibrate import Progress, autocast_of, backbone
 from compress.config import GPTQOptions, QuantizeConfig
 from compress.hessian import Hessian
 from compress.quant import QuantizedWeight, Scheme
@@ -62,10 +62,10 @@ def quantize_head(w: Tensor, hessians: HeadHessians, scheme: Scheme, opts: GPTQO
 
 
 @torch.inference_mode()
-def head_hessians(model: nn.Module, batches: list[Tensor], held: int = 0,
-                  autocast: torch.dtype | None = None) -> HeadHessians:
+def head_hessians(model: nn.Module, batches: list[Tensor], held: int = 0, autocast: torch.dtype | None = None,
+                  progress: Progress | None = None) -> HeadHessians:
     """The Hessians of the head's inputs: the backbone's last hidden states (after the final norm) for each batch of
-    token ids, the last ``held`` batches apart."""
+    token ids, the last ``held`` batches apart (``progress`` counts the batches: "head batch")."""
     base = backbone(model)
     hidden = model.get_output_embeddings().in_features
     fit, out = Hessian.zeros(hidden), Hessian.zeros(hidden) if held else None
@@ -73,10 +73,13 @@ def head_hessians(model: nn.Module, batches: list[Tensor], held: int = 0,
         for i, ids in enumerate(batches):
             x = base(input_ids=ids, use_cache=False)[0]  # [batch, seqlen, hidden]: what the head reads
             (out if i >= len(batches) - held else fit).add(x)
+            if progress:
+                progress(i + 1, len(batches), "head batch")
     return HeadHessians(fit.release(), None if out is None else out.release())
 
 
-def calibrate_head(model: nn.Module, cfg: QuantizeConfig, scheme: Scheme, batches: list[Tensor]) -> HeadResult:
+def calibrate_head(model: nn.Module, cfg: QuantizeConfig, scheme: Scheme, batches: list[Tensor],
+                   progress: Progress | None = None) -> HeadResult:
     """The adapter: the untied head of ``model`` (its body already quantized) rounded by :func:`quantize_head` on
     ``batches``, the last ``cfg.holdout`` share held out when ``cfg.fallback`` is on."""
     windows = batches
@@ -84,7 +87,7 @@ def calibrate_head(model: nn.Module, cfg: QuantizeConfig, scheme: Scheme, batche
     if cfg.fallback:
         split = fallback.split_windows(batches, cfg.holdout)
         windows, held = split.fit + split.held, len(split.held)
-    hs = head_hessians(model, windows, held, autocast_of(cfg.calib_dtype))
+    hs = head_hessians(model, windows, held, autocast_of(cfg.calib_dtype), progress)
     res = quantize_head(model.get_output_embeddings().weight.data, hs, scheme, cfg.gptq)
     if res.choice is not None:
         log.info("lm_head: held-out error gptq %.4g, rtn %.4g -> %s", res.record()["heldout_error"],

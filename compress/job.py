@@ -225,7 +225,7 @@ def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_rem
     report = quantize_model(model, cfg, batches, progress, train_progress, store)
     plan, head_codes = plan_outer(cfg, tied(model)), None
     if plan.head is not None and cfg.calibrated_head:  # on the quantized body's final hidden states
-        res = calibrate_head(model, cfg, plan.head, batches)
+        res = calibrate_head(model, cfg, plan.head, batches, progress)
         report.notes["head_calibration"], head_codes = res.record(), res.weight
     quantize_outer(model, plan, head_codes)
     save_quantized(model, tokenizer, out, _quantization_config(model, cfg, calibration, recipe, src, report),

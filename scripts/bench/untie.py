@@ -4,6 +4,12 @@ The same function as the tied model (up to the saved dtype), so that an untied h
 ``--head-method``) can be measured on a real model whose vocabulary is large, e.g. SmolLM2 (tied 49,152 x 576):
 
     python scripts/bench/untie.py smollm2-135m out/smollm2-untied --dtype bfloat16
+
+``--head-as-embedding`` goes the other way, to measure what a calibrated head would do to a tied table: a copy of a
+checkpoint of the untied copy whose embedding rows are replaced by its quantized head's dequantized rows (the two are
+then one table's values again, as if the head's codes were shared with the lookups):
+
+    python scripts/bench/untie.py out/smol-u-h4-gptq out/smol-tied-from-gptq --head-as-embedding
 """
 from __future__ import annotations
 
@@ -28,6 +34,27 @@ def untie(model: nn.Module) -> nn.Module:
     return model
 
 
+def head_as_embedding(src: str, out: str) -> None:
+    """Copy the checkpoint ``src`` to ``out`` with the embedding's rows set to the quantized head's values."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from compress.checkpoint import load_quantized
+
+    head = load_quantized(src).get_output_embeddings()
+    shutil.copytree(src, out)
+    for f in Path(out).glob("*.safetensors"):
+        tensors = load_file(str(f))
+        if "model.embed_tokens.weight" in tensors:
+            dtype = tensors["model.embed_tokens.weight"].dtype
+            tensors["model.embed_tokens.weight"] = head.dequantized_weight().to(dtype)
+            save_file(tensors, str(f), metadata={"format": "pt"})
+            return
+    raise ValueError(f"{src}: no full-width model.embed_tokens.weight to replace (embed: none is needed)")
+
+
 def main() -> None:
     from compress.models import load_model
 
@@ -35,7 +62,13 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--head-as-embedding", action="store_true",
+                    help="MODEL is a checkpoint with a quantized untied head: copy it with the embedding = the head")
     args = ap.parse_args()
+    if args.head_as_embedding:
+        head_as_embedding(args.model, args.out)
+        print(f"wrote {args.out}")
+        return
     model, tokenizer, _ = load_model(args.model)
     untie(model).to(getattr(torch, args.dtype)).save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)

@@ -27,7 +27,9 @@ def test_the_hessian_is_of_what_the_head_reads(family):
         for ids in batches:
             model(input_ids=ids, use_cache=False)
     hook.remove()
-    hs = head_hessians(model, batches, held=1)
+    seen = []
+    hs = head_hessians(model, batches, held=1, progress=lambda *a: seen.append(a))
+    assert seen == [(i, 3, "head batch") for i in (1, 2, 3)]
     whole = head_hessians(model, batches)
     torch.testing.assert_close(whole.fit, want.H, rtol=1e-5, atol=1e-6)
     assert whole.held is None and hs.held is not None
