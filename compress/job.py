@@ -225,8 +225,11 @@ def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_rem
     report = quantize_model(model, cfg, batches, progress, train_progress, store)
     plan, head_codes = plan_outer(cfg, tied(model)), None
     if plan.head is not None and cfg.calibrated_head:  # on the quantized body's final hidden states
+        t0 = time.perf_counter()
         res = calibrate_head(model, cfg, plan.head, batches, progress)
-        report.notes["head_calibration"], head_codes = res.record(), res.weight
+        seconds = time.perf_counter() - t0
+        report.seconds += seconds  # the summary's quantization time includes the head's pass
+        report.notes["head_calibration"], head_codes = {**res.record(), "seconds": seconds}, res.weight
     quantize_outer(model, plan, head_codes)
     save_quantized(model, tokenizer, out, _quantization_config(model, cfg, calibration, recipe, src, report),
                    overwrite=overwrite, dtypes=dtypes)
