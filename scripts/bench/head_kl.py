@@ -77,7 +77,9 @@ class Scores:
 
 @torch.inference_mode()
 def run(reference: str, body: str | None, heads: list[str], variants: list[str], text: str, seqlen: int,
-        max_windows: int, batch_size: int) -> dict:
+        max_windows: int, batch_size: int, partial=None) -> dict:
+    """Every row's ppl, KL and size; ``partial(result)`` sees the figures so far after each batch (the first windows
+    of the same sequence for every row), so that a run cut short still reports what it measured."""
     from compress.calibrate import backbone
     from compress.data import load_texts
     from compress.models import load_tokenizer, resolve
@@ -106,9 +108,14 @@ def run(reference: str, body: str | None, heads: list[str], variants: list[str],
             scores[name].add(logits, batch, want)
         print(f"{text}: batch {i + 1}/{-(-windows.shape[0] // batch_size)} ({time.perf_counter() - t0:.0f} s)",
               flush=True)
-    return {"text": text, "windows": int(windows.shape[0]), "seqlen": seqlen, "seconds": time.perf_counter() - t0,
-            "threads": torch.get_num_threads(),
-            "rows": {k: {**s.result(), "size_mib": size_mib(k) if Path(k).is_dir() else None} for k, s in scores.items()}}
+        done = min((i + 1) * batch_size, windows.shape[0])
+        res = {"text": text, "windows": done, "seqlen": seqlen, "seconds": time.perf_counter() - t0,
+               "threads": torch.get_num_threads(),
+               "rows": {k: {**s.result(), "size_mib": size_mib(k) if Path(k).is_dir() else None}
+                        for k, s in scores.items()}}
+        if partial:
+            partial(res)
+    return res
 
 
 def main() -> None:
@@ -124,8 +131,12 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    def partial(res: dict) -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+
     res = run(args.reference, args.body, split(args.heads), split(args.variants), args.ppl, args.seqlen,
-              args.max_windows, args.batch_size)
+              args.max_windows, args.batch_size, partial)
     for k, r in res["rows"].items():
         size = "-" if r["size_mib"] is None else f"{r['size_mib']:.1f}"
         print(f"{k}\t{size} MiB\tppl {r['ppl']:.3f}\tKL {r['kl_mean']:.4f} (p99 {r['kl_p99']:.3f})")
