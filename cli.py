@@ -101,8 +101,8 @@ def main(verbose: bool):
 @click.option("--head", type=click.Choice(["none", "int8", "int4"]), default=None,
               help="The LM head, likewise; a tied head is the embedding (set either, or both alike).")
 @click.option("--head-method", type=click.Choice(["rtn", "gptq"]), default=None,
-              help="An untied quantized head: RTN, or GPTQ on the final hidden states of the calibration text "
-                   "(RTN kept where better on held-out windows; a tied head stays RTN) [default: the recipe's].")
+              help="A quantized head (a tied one: the table): RTN, or GPTQ on the final hidden states of the "
+                   "calibration text (RTN kept where better on held-out windows) [default: the recipe's].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
 @click.option("--allow-pickle", is_flag=True, help="Allow pickled .bin weights (they can run code when loaded).")

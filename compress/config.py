@@ -173,9 +173,9 @@ class QuantizeConfig:
     head_group_size: int = 0
     embed_sym: bool | None = None
     head_sym: bool | None = None
-    # an untied head's rounding: rtn, or gptq on the quantized body's final (normed) hidden states over the
-    # calibration windows, keeping RTN if that is better on the held-out ones; a tied table stays RTN (it is also
-    # the embedding, whose lookups GPTQ's error feedback would not serve: compress/head_gptq.py)
+    # a quantized head's rounding: rtn, or gptq on the quantized body's final (normed) hidden states over the
+    # calibration windows, keeping RTN if that is better on the held-out ones; on a tied model the one table is rounded
+    # for the head and the lookups read the same codes (measured better than RTN on SmolLM2: compress/head_gptq.py)
     head_method: str = "rtn"
 
     def __post_init__(self):
@@ -282,7 +282,7 @@ class QuantizeConfig:
 
     @property
     def calibrated_head(self) -> bool:
-        """Whether a quantized untied head is rounded by GPTQ on calibration data (a tied one stays RTN)."""
+        """Whether a quantized head (on a tied model, the one table) is rounded by GPTQ on calibration data."""
         return self.head != "none" and self.head_method == "gptq"
 
     @classmethod

@@ -63,6 +63,14 @@ def plan_outer(cfg, tied: bool) -> OuterPlan:
     return OuterPlan(embed or head, None, True)
 
 
+def head_scheme(plan: OuterPlan, cfg) -> Scheme | None:
+    """The scheme the head is calibrated to (``head_method: gptq``): an untied head's, or on a tied model the one
+    table's, rounded for the head's products (the lookups read the same codes); None: RTN, or no quantized head."""
+    if not cfg.calibrated_head:
+        return None
+    return plan.embed if plan.tied else plan.head
+
+
 def quantize_table(slabs: Iterable[Tensor], rows: int, cols: int, scheme: Scheme,
                    embed_scale: float | None = None) -> QuantEmbedding:
     """RTN of a ``[rows, cols]`` table given as consecutive row slabs (any float dtype), into packed codes."""
@@ -83,11 +91,11 @@ def quantize_table(slabs: Iterable[Tensor], rows: int, cols: int, scheme: Scheme
     return table
 
 
-def table_of(qw: QuantizedWeight) -> QuantEmbedding:
+def table_of(qw: QuantizedWeight, embed_scale: float | None = None) -> QuantEmbedding:
     """The packed table of codes already rounded (a calibrated head, compress/head_gptq.py): natural column order."""
     assert qw.g_idx is None, "a table's groups are consecutive columns"
     rows, cols = qw.q.shape
-    table = QuantEmbedding(rows, cols, qw.scheme)
+    table = QuantEmbedding(rows, cols, qw.scheme, embed_scale=embed_scale)
     table.qweight.copy_(pack(qw.q, qw.scheme.bits))
     table.scales.copy_(qw.scale)
     if qw.zero is not None:
@@ -107,11 +115,16 @@ def _scale_of(emb: nn.Module) -> float | None:
 
 def quantize_outer(model: nn.Module, plan: OuterPlan, head_codes: QuantizedWeight | None = None) -> None:
     """In place: the embedding becomes a :class:`QuantEmbedding` and the head a QuantLinear as ``plan`` says (a
-    tied head reads the embedding's buffers); an untied head takes ``head_codes`` when given (its calibrated
-    rounding, compress/head_gptq.py), else RTN."""
+    tied head reads the embedding's buffers); the head takes ``head_codes`` when given (its calibrated rounding,
+    compress/head_gptq.py; on a tied model the one table's), else RTN."""
     if plan.embed is not None:
         emb = model.get_input_embeddings()
-        q = quantize_table(row_slabs(emb.weight), emb.num_embeddings, emb.embedding_dim, plan.embed, _scale_of(emb))
+        if plan.tied and head_codes is not None:
+            assert head_codes.scheme == plan.embed and head_codes.q.shape == emb.weight.shape
+            q = table_of(head_codes, _scale_of(emb))
+        else:
+            q = quantize_table(row_slabs(emb.weight), emb.num_embeddings, emb.embedding_dim, plan.embed,
+                               _scale_of(emb))
         model.set_input_embeddings(q.to(emb.weight.device))
         if plan.tied:
             set_module(model, head_name(model), q.as_linear())

@@ -1,12 +1,13 @@
-"""GPTQ of an untied LM head on the final hidden states (issue 32): the head is the largest single matrix of a
+"""GPTQ of the LM head on the final hidden states (issue 32): the head is the largest single matrix of a
 large-vocabulary model and its rounding error shows directly in the logits, so it is rounded against the Hessian of
 what it reads, the quantized body's final (normed) hidden states over the calibration windows, and keeps plain RTN
 where that is better on the held-out windows (compress/fallback.py), as the body's linears do.
 
 Only the backbone runs (the hidden states are ``[batch, seqlen, hidden]``): the full-vocabulary logits of the
-calibration tokens are never made. A tied table is not calibrated here: it is also the embedding, whose rows are
-looked up as they are stored, and GPTQ's error feedback moves each row's codes away from that row's own nearest
-grid points to serve the head's products (compress/embed_head.py keeps RTN for it)."""
+calibration tokens are never made. A tied table is calibrated the same way and the embedding's lookups read the same
+codes: GPTQ's error feedback moves each row off its own nearest grid points, which the lookups see, but on SmolLM2's
+tied int4 table the head's gain outweighs it (scripts/bench/untie.py --head-as-embedding, scripts/bench/head_kl.py).
+The held-out comparison judges the head's products only."""
 from __future__ import annotations
 
 import logging
@@ -80,7 +81,7 @@ def head_hessians(model: nn.Module, batches: list[Tensor], held: int = 0, autoca
 
 def calibrate_head(model: nn.Module, cfg: QuantizeConfig, scheme: Scheme, batches: list[Tensor],
                    progress: Progress | None = None) -> HeadResult:
-    """The adapter: the untied head of ``model`` (its body already quantized) rounded by :func:`quantize_head` on
+    """The adapter: the head of ``model`` (its body already quantized; tied or not) rounded by :func:`quantize_head` on
     ``batches``, the last ``cfg.holdout`` share held out when ``cfg.fallback`` is on."""
     windows = batches
     held = 0

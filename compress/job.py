@@ -14,7 +14,7 @@ from pathlib import Path
 
 from compress.config import QuantizeConfig
 from compress.calibrate import BlockStore
-from compress.embed_head import plan_outer
+from compress.embed_head import head_scheme, plan_outer
 from compress.memory import check, plan_offload
 from compress.pipeline import Progress, QuantizeReport, TrainProgress, quantize_model
 
@@ -128,9 +128,8 @@ def check_outer(src, cfg: QuantizeConfig, trust_remote_code: bool) -> str | None
 
     config = source_config(src, trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    plan = plan_outer(cfg, bool(getattr(text, "tie_word_embeddings", False)))
-    if plan.head is not None and cfg.calibrated_head:
-        return "head_method: gptq calibrates the untied head on the final hidden states of the whole quantized body"
+    if head_scheme(plan_outer(cfg, bool(getattr(text, "tie_word_embeddings", False))), cfg) is not None:
+        return "head_method: gptq calibrates the head on the final hidden states of the whole quantized body"
     return None
 
 
@@ -224,9 +223,10 @@ def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_rem
     store = BlockStore(_offload_dir(out) if offloaded else None)
     report = quantize_model(model, cfg, batches, progress, train_progress, store)
     plan, head_codes = plan_outer(cfg, tied(model)), None
-    if plan.head is not None and cfg.calibrated_head:  # on the quantized body's final hidden states
+    scheme = head_scheme(plan, cfg)
+    if scheme is not None:  # on the quantized body's final hidden states
         t0 = time.perf_counter()
-        res = calibrate_head(model, cfg, plan.head, batches, progress)
+        res = calibrate_head(model, cfg, scheme, batches, progress)
         seconds = time.perf_counter() - t0
         report.seconds += seconds  # the summary's quantization time includes the head's pass
         report.notes["head_calibration"], head_codes = {**res.record(), "seconds": seconds}, res.weight

@@ -82,7 +82,7 @@ def test_an_untied_head_is_calibrated_in_memory(tmp_path, smol_tokenizer, calib_
     src = _save(tmp_path, "llama", smol_tokenizer)  # untied
     cfg = load_recipe("rtn4").replace(calib=str(calib_text), nsamples=8, seqlen=32, batch_size=2, embed="none",
                                       head="int4", head_method="gptq")
-    with pytest.raises(ValueError, match="head_method: gptq calibrates the untied head"):
+    with pytest.raises(ValueError, match="head_method: gptq calibrates the head"):
         quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True)
     res = quantize_to_folder(str(src), cfg, str(tmp_path / "g"))
     rtn = quantize_to_folder(str(src), cfg.replace(head_method="rtn"), str(tmp_path / "r"))
@@ -96,13 +96,23 @@ def test_an_untied_head_is_calibrated_in_memory(tmp_path, smol_tokenizer, calib_
     assert (qc["head_calibration"]["method"] == "rtn") == torch.equal(a["lm_head.qweight"], b["lm_head.qweight"])
 
 
-def test_a_tied_table_stays_rtn_and_streams(tmp_path, smol_tokenizer, calib_text):
-    src = _save(tmp_path, "gemma", smol_tokenizer)  # tied
-    cfg = load_recipe("rtn4").replace(calib=str(calib_text), nsamples=4, seqlen=32, batch_size=2, embed="int4",
-                                      head="int4", head_method="gptq")
+def test_a_tied_table_is_calibrated_once_for_both(tmp_path, smol_tokenizer, calib_text):
+    """Gemma (tied, its lookups scaled by sqrt(hidden)): the one table rounded for the head, read by both."""
+    from compress.checkpoint import load_quantized
+
+    src = _save(tmp_path, "gemma", smol_tokenizer)
+    cfg = load_recipe("rtn4").replace(calib=str(calib_text), nsamples=8, seqlen=32, batch_size=2, embed="int4",
+                                      head="int4", head_method="gptq", fallback=False)
     res = quantize_to_folder(str(src), cfg, str(tmp_path / "g"))
     rtn = quantize_to_folder(str(src), cfg.replace(head_method="rtn"), str(tmp_path / "r"))
-    assert res.streamed
+    assert not res.streamed and rtn.streamed
     a, b = _tensors(res.out), _tensors(rtn.out)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert "head_calibration" not in json.loads((Path(res.out) / "config.json").read_text())["quantization_config"]
+    assert a.keys() == b.keys() and not any(k.startswith("lm_head.") for k in a)
+    assert not torch.equal(a["model.embed_tokens.qweight"], b["model.embed_tokens.qweight"])
+    assert all(torch.equal(a[k], b[k]) for k in a if not k.startswith("model.embed_tokens."))
+    qc = json.loads((Path(res.out) / "config.json").read_text())["quantization_config"]
+    assert qc["head_calibration"]["method"] == "gptq" and qc["head"]["tied"]
+    model, fp = load_quantized(res.out), load_quantized(rtn.out)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert head.qweight.data_ptr() == emb.qweight.data_ptr()
+    assert emb.embed_scale == fp.get_input_embeddings().embed_scale is not None
