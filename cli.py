@@ -100,6 +100,9 @@ def main(verbose: bool):
               help="The input embedding: full width, int8 (per row) or int4 (groups of 32) [default: the recipe's].")
 @click.option("--head", type=click.Choice(["none", "int8", "int4"]), default=None,
               help="The LM head, likewise; a tied head is the embedding (set either, or both alike).")
+@click.option("--head-method", type=click.Choice(["rtn", "gptq"]), default=None,
+              help="A quantized head (a tied one: the table): RTN, or GPTQ on the final hidden states of the "
+                   "calibration text (RTN kept where better on held-out windows) [default: the recipe's].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
 @click.option("--allow-pickle", is_flag=True, help="Allow pickled .bin weights (they can run code when loaded).")
@@ -110,8 +113,8 @@ def main(verbose: bool):
 @click.option("--offload-activations/--no-offload-activations", default=None,
               help="Keep the calibration activations on disk [default: only when they would not fit in memory].")
 def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size, sym, zero_floor, act_order, seed,
-             kv_heads, kv_init, kv_fit_steps, uptrain_steps, steps, lr, qat_init, rotate, embed, head, overwrite,
-             trust_remote_code, allow_pickle, json_path, stream, max_memory, offload_activations):
+             kv_heads, kv_init, kv_fit_steps, uptrain_steps, steps, lr, qat_init, rotate, embed, head, head_method,
+             overwrite, trust_remote_code, allow_pickle, json_path, stream, max_memory, offload_activations):
     """Quantize MODEL with a recipe into a packed checkpoint folder."""
     import signal
     from pathlib import Path
@@ -129,7 +132,7 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
                                        sym=sym, act_order=act_order, seed=seed, kv_heads=kv_heads, kv_init=kv_init,
                                        kv_fit_steps=kv_fit_steps, uptrain_steps=uptrain_steps, steps=steps, lr=lr,
                                        init=qat_init, rotate=rotate, embed=embed, head=head,
-                                       zero_floor=None if zero_floor is None else int(zero_floor)).items()
+                                       head_method=head_method, zero_floor=None if zero_floor is None else int(zero_floor)).items()
                  if v is not None}
     cfg = load_recipe(recipe).replace(**overrides)  # validated here, so a bad flag fails before the model loads
     src = resolve(model_spec)
@@ -270,10 +273,12 @@ def eval_cmd(model_spec, baseline, server, tokenizer, api_key, served_model, con
               "[default: 30% of the baseline].")
 @click.option("--max-ppl-increase", type=float, default=5.0, show_default=True,
               help="Percent over the baseline's perplexity the 'smallest' and 'fastest' recommendations allow.")
+@click.option("--fp-tables", is_flag=True, help="Beside each recipe that quantizes the embedding/LM head, the same "
+              "recipe with them full width (RECIPE-fp-tables: embed/head none): what the tables cost and save.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars on stderr.")
 def report_cmd(model_spec, out, recipes, variants, exports, ppl, seqlen, max_windows, tasks, limit, batch_size,
                concurrency, prompt_len, output_len, no_speed, nsamples, calib_seqlen, max_size, max_ppl_increase,
-               quiet):
+               fp_tables, quiet):
     """Quality vs size vs speed of every variant of MODEL: report.md/.json/.html and plots in --out."""
     import shlex
 
@@ -286,7 +291,7 @@ def report_cmd(model_spec, out, recipes, variants, exports, ppl, seqlen, max_win
                        tasks=tuple(_csv(tasks)), limit=limit, batch_size=batch_size, speed=not no_speed,
                        concurrency=concurrency, prompt_len=prompt_len, output_len=output_len, calib_nsamples=nsamples,
                        calib_seqlen=calib_seqlen, max_size=parse_size(max_size) if max_size else None,
-                       max_ppl_increase=max_ppl_increase)
+                       max_ppl_increase=max_ppl_increase, fp_tables=fp_tables)
     _quiet_lm_eval()
     bars = Bars(quiet)
     try:

@@ -24,6 +24,8 @@ UPTRAIN_SCOPES = ("blocks", "attn")  # compress/gqa.py: uptraining moves whole d
 ROTATIONS = ("none", "hadamard")  # compress/rotate.py: a randomized Hadamard folded into the weights
 # the input embedding and the LM head (compress/embed_head.py): kept as they are, or RTN codes of this width
 OUTER_CHOICES = ("none", "int8", "int4")
+# how an untied LM head is rounded: RTN, or GPTQ on the final hidden states (compress/head_gptq.py)
+HEAD_METHODS = ("rtn", "gptq")
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
@@ -171,6 +173,10 @@ class QuantizeConfig:
     head_group_size: int = 0
     embed_sym: bool | None = None
     head_sym: bool | None = None
+    # a quantized head's rounding: rtn, or gptq on the quantized body's final (normed) hidden states over the
+    # calibration windows, keeping RTN if that is better on the held-out ones; on a tied model the one table is rounded
+    # for the head and the lookups read the same codes (measured better than RTN on SmolLM2: compress/head_gptq.py)
+    head_method: str = "rtn"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -248,6 +254,8 @@ class QuantizeConfig:
                                  f"set {part}: int8 or int4, or remove them")
             if group:
                 self.outer_scheme(part)  # validates the group size
+        if self.head_method not in HEAD_METHODS:
+            raise ValueError(f"head_method={self.head_method!r} is unknown; use one of {HEAD_METHODS}")
 
     def outer_scheme(self, part: str) -> Scheme | None:
         """The RTN scheme of ``part`` ("embed" or "head"), or None when it stays full width."""
@@ -270,7 +278,12 @@ class QuantizeConfig:
     @property
     def needs_calibration(self) -> bool:
         return (self.method in ("gptq", "awq", "qat") or self.uptrain_steps > 0 or self.kv_fit_steps > 0
-                or (self.kv_heads > 0 and self.kv_init == "pca"))
+                or (self.kv_heads > 0 and self.kv_init == "pca") or self.calibrated_head)
+
+    @property
+    def calibrated_head(self) -> bool:
+        """Whether a quantized head (on a tied model, the one table) is rounded by GPTQ on calibration data."""
+        return self.head != "none" and self.head_method == "gptq"
 
     @classmethod
     def from_flat(cls, **fields) -> "QuantizeConfig":

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from compress.checkpoint import set_module
 from compress.qlinear import QuantEmbedding, QuantLinear
-from compress.quant import Scheme, compute_qparams, pack, quantize
+from compress.quant import QuantizedWeight, Scheme, compute_qparams, pack, quantize
 
 # per row symmetric int8 (llama.cpp's Q8_0 width, and what the runtime's int8 packed kernel takes); int4 in groups of
 # 32 with zero points (Q4_1's grid); the same as the runtime's load-time head rounding (runtime/kernels/qmatmul.py)
@@ -63,6 +63,14 @@ def plan_outer(cfg, tied: bool) -> OuterPlan:
     return OuterPlan(embed or head, None, True)
 
 
+def head_scheme(plan: OuterPlan, cfg) -> Scheme | None:
+    """The scheme the head is calibrated to (``head_method: gptq``): an untied head's, or on a tied model the one
+    table's, rounded for the head's products (the lookups read the same codes); None: RTN, or no quantized head."""
+    if not cfg.calibrated_head:
+        return None
+    return plan.embed if plan.tied else plan.head
+
+
 def quantize_table(slabs: Iterable[Tensor], rows: int, cols: int, scheme: Scheme,
                    embed_scale: float | None = None) -> QuantEmbedding:
     """RTN of a ``[rows, cols]`` table given as consecutive row slabs (any float dtype), into packed codes."""
@@ -83,6 +91,18 @@ def quantize_table(slabs: Iterable[Tensor], rows: int, cols: int, scheme: Scheme
     return table
 
 
+def table_of(qw: QuantizedWeight, embed_scale: float | None = None) -> QuantEmbedding:
+    """The packed table of codes already rounded (a calibrated head, compress/head_gptq.py): natural column order."""
+    assert qw.g_idx is None, "a table's groups are consecutive columns"
+    rows, cols = qw.q.shape
+    table = QuantEmbedding(rows, cols, qw.scheme, embed_scale=embed_scale)
+    table.qweight.copy_(pack(qw.q, qw.scheme.bits))
+    table.scales.copy_(qw.scale)
+    if qw.zero is not None:
+        table.qzeros.copy_(qw.zero)
+    return table
+
+
 def row_slabs(weight: Tensor, step: int = SLAB_ROWS) -> Iterable[Tensor]:
     for s in range(0, weight.shape[0], step):
         yield weight[s:s + step].detach()
@@ -93,19 +113,29 @@ def _scale_of(emb: nn.Module) -> float | None:
     return getattr(emb, "scalar_embed_scale", None)
 
 
-def quantize_outer(model: nn.Module, plan: OuterPlan) -> None:
+def quantize_outer(model: nn.Module, plan: OuterPlan, head_codes: QuantizedWeight | None = None) -> None:
     """In place: the embedding becomes a :class:`QuantEmbedding` and the head a QuantLinear as ``plan`` says (a
-    tied head reads the embedding's buffers)."""
+    tied head reads the embedding's buffers); the head takes ``head_codes`` when given (its calibrated rounding,
+    compress/head_gptq.py; on a tied model the one table's), else RTN."""
     if plan.embed is not None:
         emb = model.get_input_embeddings()
-        q = quantize_table(row_slabs(emb.weight), emb.num_embeddings, emb.embedding_dim, plan.embed, _scale_of(emb))
+        if plan.tied and head_codes is not None:
+            assert head_codes.scheme == plan.embed and head_codes.q.shape == emb.weight.shape
+            q = table_of(head_codes, _scale_of(emb))
+        else:
+            q = quantize_table(row_slabs(emb.weight), emb.num_embeddings, emb.embedding_dim, plan.embed,
+                               _scale_of(emb))
         model.set_input_embeddings(q.to(emb.weight.device))
         if plan.tied:
             set_module(model, head_name(model), q.as_linear())
     if plan.head is not None:
         name = head_name(model)
         head = model.get_submodule(name)
-        q = quantize_table(row_slabs(head.weight), head.out_features, head.in_features, plan.head)
+        if head_codes is not None:
+            assert head_codes.scheme == plan.head and head_codes.q.shape == head.weight.shape
+            q = table_of(head_codes)
+        else:
+            q = quantize_table(row_slabs(head.weight), head.out_features, head.in_features, plan.head)
         lin = q.as_linear(tied=False)
         if head.bias is not None:
             lin.bias = nn.Parameter(head.bias.detach().clone(), requires_grad=False)

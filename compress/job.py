@@ -14,7 +14,7 @@ from pathlib import Path
 
 from compress.config import QuantizeConfig
 from compress.calibrate import BlockStore
-from compress.embed_head import plan_outer
+from compress.embed_head import head_scheme, plan_outer
 from compress.memory import check, plan_offload
 from compress.pipeline import Progress, QuantizeReport, TrainProgress, quantize_model
 
@@ -117,15 +117,18 @@ def preflight(src, cfg: QuantizeConfig, trust_remote_code: bool) -> None:
         start_token(AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code))
 
 
-def check_outer(src, cfg: QuantizeConfig, trust_remote_code: bool) -> None:
-    """Refuse, before any weight is read, ``embed``/``head`` schemes that a tied model cannot take (one tensor)."""
+def check_outer(src, cfg: QuantizeConfig, trust_remote_code: bool) -> str | None:
+    """Refuse, before any weight is read, ``embed``/``head`` schemes that a tied model cannot take (one tensor);
+    returns why the run cannot stream because of them (a calibrated untied head), or None."""
     if cfg.embed == "none" and cfg.head == "none":
-        return
+        return None
     from compress.models import source_config
 
     config = source_config(src, trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    plan_outer(cfg, bool(getattr(text, "tie_word_embeddings", False)))
+    if head_scheme(plan_outer(cfg, bool(getattr(text, "tie_word_embeddings", False))), cfg) is not None:
+        return "head_method: gptq calibrates the head on the final hidden states of the whole quantized body"
+    return None
 
 
 def stream_folder(src, trust_remote_code: bool) -> Path:
@@ -157,7 +160,7 @@ def _quantization_config(model, cfg: QuantizeConfig, calibration: dict, recipe: 
                          report: QuantizeReport) -> dict:
     from compress.checkpoint import build_quantization_config
 
-    fell = {"fallback": report.notes["fallback"]} if "fallback" in report.notes else {}  # the layers kept at RTN
+    fell = {k: report.notes[k] for k in ("fallback", "head_calibration") if k in report.notes}  # RTN kept, and where
     return build_quantization_config(model, cfg.method, cfg.scheme, cfg.gptq.act_order and not cfg.gptq.static_groups,
                                      calibration, extra={"recipe": recipe, "source_model": src.name,
                                                          "config": cfg.to_dict(), **fell})
@@ -196,6 +199,7 @@ def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_rem
                max_memory, offload):
     from compress.checkpoint import save_quantized
     from compress.embed_head import quantize_outer
+    from compress.head_gptq import calibrate_head
     from compress.models import load_model
     from compress.shards import ShardReader
     from compress.stream import outer_dtypes, skeleton, tied
@@ -216,7 +220,15 @@ def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_rem
     batches, calibration = _calibration(cfg, tokenizer)
     store = BlockStore(_offload_dir(out) if offloaded else None)
     report = quantize_model(model, cfg, batches, progress, train_progress, store)
-    quantize_outer(model, plan_outer(cfg, tied(model)))
+    plan, head_codes = plan_outer(cfg, tied(model)), None
+    scheme = head_scheme(plan, cfg)
+    if scheme is not None:  # on the quantized body's final hidden states
+        t0 = time.perf_counter()
+        res = calibrate_head(model, cfg, scheme, batches, progress)
+        seconds = time.perf_counter() - t0
+        report.seconds += seconds  # the summary's quantization time includes the head's pass
+        report.notes["head_calibration"], head_codes = {**res.record(), "seconds": seconds}, res.weight
+    quantize_outer(model, plan, head_codes)
     save_quantized(model, tokenizer, out, _quantization_config(model, cfg, calibration, recipe, src, report),
                    overwrite=overwrite, dtypes=dtypes)
     memory = {"estimate_bytes": estimate.peak} if estimate else {}
@@ -246,8 +258,8 @@ def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite
     t0 = time.perf_counter()
     src = resolve(model_spec)
     preflight(src, cfg, trust_remote_code)
-    check_outer(src, cfg, trust_remote_code)
-    reason = why_not_streamed(src, cfg)
+    reason = check_outer(src, cfg, trust_remote_code)
+    reason = why_not_streamed(src, cfg) or reason
     if stream and reason:
         raise ValueError(f"cannot stream {src.name}: {reason}; drop --stream")
     try:

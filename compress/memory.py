@@ -155,7 +155,7 @@ def outer_bytes(model: nn.Module, cfg, streamed: bool) -> int:
     16-bit sources); in memory, the tables' 16-bit source pages while loading and their 16-bit copies while saving;
     both, the packed codes of quantized tables with one chunk's temporaries (compress/embed_head.py), and the
     tokenizer of the vocabulary."""
-    from compress.embed_head import CHUNK_VALUES, plan_outer
+    from compress.embed_head import CHUNK_VALUES, head_scheme, plan_outer
     from compress.shards import SLAB_BYTES
 
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -165,6 +165,8 @@ def outer_bytes(model: nn.Module, cfg, streamed: bool) -> int:
     schemes = [s for s in (plan.embed, plan.head) if s is not None]
     codes = sum(vocab * hidden * s.bits // 8 + vocab * s.n_groups(hidden) * 3 for s in schemes)
     work = CHUNK_VALUES * 48 if schemes else 0  # fp32 values, grouped copies, int64 codes while packing
+    if head_scheme(plan, cfg) is not None:  # compress/head_gptq.py: GPTQ's fp32 copy of the head, its
+        work += 6 * 4 * vocab * hidden  # uint8 codes, both dequantized candidates and the held-out error's products
     reads = 5 * SLAB_BYTES if streamed else 2 * tables * 2
     return reads + codes + work + vocab * TOKENIZER_BYTES_PER_TOKEN
 

@@ -12,7 +12,15 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # 4 experts, top-
 NUM_EXPERTS = 4
 
 
-def tiny_config(family: str, hidden: int = 64, vocab: int = 256, layers: int = 2):
+def tiny_config(family: str, hidden: int = 64, vocab: int = 256, layers: int = 2, tie: bool | None = None):
+    """``family``'s tiny config; ``tie`` sets ``tie_word_embeddings`` (None: the family's own default)."""
+    config = _config(family, hidden, vocab, layers)
+    if tie is not None:
+        config.tie_word_embeddings = tie
+    return config
+
+
+def _config(family: str, hidden: int, vocab: int, layers: int):
     import transformers as tf
 
     common = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,

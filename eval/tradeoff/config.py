@@ -50,6 +50,8 @@ class ReportConfig:
     calib_seqlen: int | None = None
     max_size: int | None = None  # bytes; None: 30% of the baseline's size
     max_ppl_increase: float = 5.0  # percent over the baseline's perplexity
+    # each recipe that quantizes the embedding/LM head also run with them full width (embed/head none), beside it
+    fp_tables: bool = False
 
     def __post_init__(self):
         if not (self.recipes or self.variants or self.exports):

@@ -81,6 +81,11 @@ def notes(result: dict) -> list[str]:
                    f"TTFT/TPOT medians at batch 1, tok/s @{s['concurrency']} = output tokens per second with "
                    f"{s['concurrency']} requests at once; each row in the runtime that serves its artifact, "
                    f"threads: {result['machine'].get('threads', '?')}.")
+    paired = [r["label"] for r in result["rows"] if r.get("overrides")]
+    if paired:
+        out.append(f"{', '.join(paired)}: the recipe of the same name with its embedding and LM head kept full width "
+                   "(embed/head none, in the source's dtype), quantized and measured as any other row: the "
+                   "difference to that row is what the quantized tables save and cost.")
     if s["tasks"]:
         out.append(f"Accuracy: mean of {', '.join(s['tasks'])}" + (f", first {s['limit']} documents each"
                                                                      if s["limit"] else "") + ".")

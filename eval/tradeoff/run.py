@@ -60,7 +60,8 @@ class _Measure:
         from eval.tradeoff.quality import measure_quality
         from eval.tradeoff.speed import measure_speed
 
-        row = {"label": v.label, "kind": v.kind, "key": v.key, "recipe": v.recipe, "format": v.fmt, "error": None}
+        row = {"label": v.label, "kind": v.kind, "key": v.key, "recipe": v.recipe, "format": v.fmt, "error": None,
+               "overrides": dict(v.overrides)}
         try:
             spec, row["made"] = self.make.source(v)
         except Exception as e:  # a failed quantize or export: recorded, and the next variant goes on

@@ -18,6 +18,9 @@ from eval.tradeoff.cache import StageCache, digest, fingerprint
 from eval.tradeoff.config import FP_NAMES, ReportConfig, parse_export
 
 FP_LABEL = "fp32"
+# --fp-tables: a recipe run again with its embedding and LM head kept full width, the row beside the recipe's own
+FP_TABLES = (("embed", "none"), ("head", "none"))
+FP_TABLES_SUFFIX = "-fp-tables"
 STDERR_TAIL = 4000  # characters of a failed child's stderr kept for its error
 
 
@@ -29,17 +32,31 @@ class Variant:
     recipe: str | None = None
     fmt: str | None = None
     path: str | None = None  # kind "folder": the given path
+    overrides: tuple[tuple[str, str], ...] = ()  # kind "recipe": recipe fields this row changes (FP_TABLES)
 
     @property
     def slug(self) -> str:
         return f"{self.label}-{self.key}"
 
 
-def recipe_config(recipe: str, cfg: ReportConfig):
-    """The recipe's QuantizeConfig with the report's calibration overrides (unknown recipe: FileNotFoundError)."""
+def recipe_config(recipe: str, cfg: ReportConfig, overrides: tuple[tuple[str, str], ...] = ()):
+    """The recipe's QuantizeConfig with the report's calibration overrides and the row's own ``overrides``
+    (unknown recipe: FileNotFoundError)."""
     from compress.config import load_recipe
 
-    return load_recipe(recipe).replace(nsamples=cfg.calib_nsamples, seqlen=cfg.calib_seqlen)
+    return load_recipe(recipe).replace(nsamples=cfg.calib_nsamples, seqlen=cfg.calib_seqlen, **dict(overrides))
+
+
+def _recipe_variants(recipe: str, cfg: ReportConfig, model_id: list) -> list[Variant]:
+    """The recipe's row, and with ``cfg.fp_tables`` the same recipe with full-width tables beside it when the recipe
+    quantizes its embedding or head (the size and quality those account for)."""
+    qc = recipe_config(recipe, cfg)
+    out = [Variant(Path(recipe).stem, "recipe", digest([model_id, qc.to_dict()]), recipe=recipe)]
+    if cfg.fp_tables and (qc.embed != "none" or qc.head != "none"):
+        full = recipe_config(recipe, cfg, FP_TABLES)
+        out.append(Variant(Path(recipe).stem + FP_TABLES_SUFFIX, "recipe", digest([model_id, full.to_dict()]),
+                           recipe=recipe, overrides=FP_TABLES))
+    return out
 
 
 def model_identity(spec: str) -> list:
@@ -71,7 +88,7 @@ def plan(cfg: ReportConfig) -> list[Variant]:
         if r in FP_NAMES:
             out.append(Variant(FP_LABEL, "fp", digest(model_id)))
         else:
-            out.append(Variant(Path(r).stem, "recipe", digest([model_id, recipe_config(r, cfg).to_dict()]), recipe=r))
+            out += _recipe_variants(r, cfg, model_id)
     for e in cfg.exports:
         fmt, r = parse_export(e)
         base = digest([model_id, recipe_config(r, cfg).to_dict()])
@@ -84,10 +101,14 @@ def plan(cfg: ReportConfig) -> list[Variant]:
     return out
 
 
-def _run_quantize(recipe: str, cfg: ReportConfig, out: Path, json_path: Path, echo: bool) -> None:
-    """`compress quantize` in a child process; its stderr (the block bar) is shown unless quiet."""
+def _run_quantize(recipe: str, cfg: ReportConfig, out: Path, json_path: Path, echo: bool,
+                  overrides: tuple[tuple[str, str], ...] = ()) -> None:
+    """`compress quantize` in a child process (``overrides`` as its flags); its stderr (the block bar) is shown
+    unless quiet."""
     cmd = [sys.executable, "-m", "cli", "quantize", "--recipe", recipe, "--model", cfg.model, "--out", str(out),
            "--overwrite", "--json", str(json_path)]
+    for key, value in overrides:
+        cmd += [f"--{key.replace('_', '-')}", value]
     if cfg.calib_nsamples:
         cmd += ["--nsamples", str(cfg.calib_nsamples)]
     if cfg.calib_seqlen:
@@ -121,8 +142,9 @@ class Materializer:
             return self.cfg.model, {}
         if v.kind == "folder":
             return v.path, {}
-        base = Variant(Path(v.recipe).stem, "recipe", digest([model_identity(self.cfg.model),
-                                                            recipe_config(v.recipe, self.cfg).to_dict()]), v.recipe)
+        base = v if v.kind == "recipe" else Variant(
+            Path(v.recipe).stem, "recipe", digest([model_identity(self.cfg.model),
+                                                   recipe_config(v.recipe, self.cfg).to_dict()]), v.recipe)
         ckpt, facts = self._quantized(base)
         if v.kind == "recipe":
             return ckpt, facts
@@ -132,12 +154,13 @@ class Materializer:
         folder = self.root / v.slug
 
         def quantize() -> dict:
-            self.note(f"{v.label}: compress quantize --recipe {v.recipe}")
+            flags = "".join(f" --{k.replace('_', '-')} {x}" for k, x in v.overrides)
+            self.note(f"{v.label}: compress quantize --recipe {v.recipe}{flags}")
             folder.parent.mkdir(parents=True, exist_ok=True)
             for stale in folder.parent.glob(f".{v.slug}.tmp-*"):  # left by a killed run's child
                 shutil.rmtree(stale, ignore_errors=True)
             json_path = folder.parent / f".{v.slug}.quantize.json"
-            _run_quantize(v.recipe, self.cfg, folder, json_path, self.echo)
+            _run_quantize(v.recipe, self.cfg, folder, json_path, self.echo, v.overrides)
             res = json.loads(json_path.read_text())
             json_path.unlink()
             return {"seconds": res["seconds"], "peak_rss_bytes": res["peak_rss_bytes"],

@@ -62,6 +62,7 @@ UNREAD = {
     "block_size": "GPTQ's lazy-update width: the same result, faster",
     **{f: "compress/job.py rounds the embedding and head after the method (tests/compress/test_embed_head.py)"
        for f in ("embed", "head", "embed_group_size", "head_group_size", "embed_sym", "head_sym")},
+    "head_method": "compress/job.py calibrates an untied head after the method (tests/compress/test_head_gptq.py)",
 }
 REFUSED = "refused with a ValueError"
 DATA_FREE, PTQ = ("rtn", "nf4"), ("rtn", "nf4", "gptq", "awq")

@@ -12,13 +12,14 @@ from runtime.engine import Engine
 from runtime.model_runner import ForwardItem
 from runtime.sequence import SamplingParams
 from tiny_engine import hf_greedy, prompts, save_tiny
+from tiny_models import FAMILIES, MOE_FAMILIES
 
 N_NEW = 10
 GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
 
 
-def _quantized(tmp_path, family, tokenizer, embed, head):
-    save_tiny(family, tmp_path / "fp", tokenizer)
+def _quantized(tmp_path, family, tokenizer, embed, head, tied: bool | None = None):
+    save_tiny(family, tmp_path / "fp", tokenizer, overrides=None if tied is None else {"tie_word_embeddings": tied})
     cfg = load_recipe("rtn4").replace(embed=embed, head=head)
     return quantize_to_folder(str(tmp_path / "fp"), cfg, str(tmp_path / "q")).out
 
@@ -43,10 +44,18 @@ def test_greedy_tokens_match_the_eval_path(tmp_path, smol_tokenizer, family, emb
     assert [o.token_ids for o in engine.generate(ps, GREEDY)] == [hf_greedy(hf, p, N_NEW) for p in ps]
 
 
-@pytest.mark.parametrize("family", ["gemma", "llama"])
-def test_gather_and_packed_head_against_the_dequantized_reference(tmp_path, smol_tokenizer, family):
-    out = _quantized(tmp_path, family, smol_tokenizer, "int8", "int8")
+GATHER_DEFAULT = [("gemma", True), ("llama", False)]
+GATHER_SWEEP = [(f, t) for f in (*FAMILIES, *MOE_FAMILIES) for t in (False, True) if (f, t) not in GATHER_DEFAULT]
+
+
+@pytest.mark.parametrize("family,tied", [*GATHER_DEFAULT, *(pytest.param(*c, marks=pytest.mark.slow)
+                                                            for c in GATHER_SWEEP)],
+                         ids=lambda v: v if isinstance(v, str) else ("tied" if v else "untied"))
+def test_gather_and_packed_head_against_the_dequantized_reference(tmp_path, smol_tokenizer, family, tied):
+    """Every family tied and untied (the sweep beyond gemma/llama is slow: ~5 s a case with a 49,152-row table)."""
+    out = _quantized(tmp_path, family, smol_tokenizer, "int8", "int8", tied)
     hf = load_quantized(out)
+    assert bool(hf.config.tie_word_embeddings) == tied
     engine = Engine(EngineConfig(model=out, kv_cache_memory=1 << 22, quant_kernel="auto", dtype="bfloat16"))
     model = engine.runner.model
     vocab, hidden = hf.config.vocab_size, hf.config.hidden_size

@@ -3,6 +3,7 @@ and the errors that must come before any work."""
 import json
 import re
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -104,3 +105,35 @@ def test_errors_before_any_work(tiny, tmp_path):
     (tmp_path / "other" / "notes.txt").write_text("mine")
     res = CliRunner().invoke(cli.main, ["report", str(tiny), "--out", str(tmp_path / "other")])
     assert res.exit_code == 2 and "no earlier report" in res.output
+
+
+def test_fp_tables_pairs_each_recipe_that_quantizes_its_tables(tiny, tmp_path):
+    """--fp-tables: beside rtn4 (int8 embedding/head) the same recipe with them full width, under its own key; int8
+    (tables left full width already) gets no pair, and without the flag nothing changes."""
+    from eval.tradeoff.config import ReportConfig
+    from eval.tradeoff.variants import plan
+
+    def variants(**kw):
+        return plan(ReportConfig(model=str(tiny), out=str(tmp_path / "p"), recipes=("rtn4", "int8"), **kw))
+
+    paired, plain = variants(fp_tables=True), variants()
+    assert [v.label for v in paired] == ["rtn4", "rtn4-fp-tables", "int8"] and [v.label for v in plain] == ["rtn4", "int8"]
+    assert paired[0] == plain[0] and paired[1].key != paired[0].key
+    assert paired[1].overrides == (("embed", "none"), ("head", "none"))
+
+
+@pytest.mark.slow  # two quantize child processes and three models measured: ~2 min on a shared 2-core machine
+def test_fp_tables_rows_are_real_runs(tiny, tmp_path):
+    """Both rows of the pair are quantized by `compress quantize` and measured: the full-width tables are larger."""
+    out = tmp_path / "r"
+    res = report(tiny, "--out", out, "--recipes", "fp32,rtn4", "--fp-tables", "--no-speed", *FAST)
+    assert res.exit_code == 0, res.output
+    rows = {r["label"]: r for r in json.loads((out / "report.json").read_text())["rows"]}
+    assert list(rows) == ["fp32", "rtn4", "rtn4-fp-tables"] and all(r["error"] is None for r in rows.values())
+    qc = {k: json.loads((Path(rows[k]["source"]) / "config.json").read_text())["quantization_config"]
+          for k in ("rtn4", "rtn4-fp-tables")}
+    assert qc["rtn4"]["embed"] is not None and qc["rtn4-fp-tables"]["embed"] is None
+    assert rows["rtn4-fp-tables"]["overrides"] == {"embed": "none", "head": "none"}
+    small, full = rows["rtn4"]["quality"], rows["rtn4-fp-tables"]["quality"]
+    assert small["size_bytes"] < full["size_bytes"] and full["kl"]["wiki"]["mean"] > 0
+    assert "rtn4-fp-tables: the recipe of the same name" in (out / "report.md").read_text()
