@@ -21,6 +21,7 @@ from runtime.kernels.attention import AttentionMetadata, fused_paged_attention, 
 from runtime.kernels.fused import FUSED_CPU_OPS, select_ops
 from runtime.kernels.kv_quant import SCALE_DTYPE, kv_bytes_per_token_head, kv_format
 from runtime.kernels.moe import prepare_experts
+from runtime.kernels.prepare import prepare_model
 from runtime.models.dispatch import RuntimeConfig, build_model
 from runtime.models.loader import Checkpoint
 from runtime.overflow import check_finite, probe_tokens
@@ -77,7 +78,7 @@ class ModelRunner:
         lean = (self.device.type == "cpu" and quant_kernel in ("auto", "hybrid")
                 and qmatmul.too_large_for_copies(self.model, quant_kernel, fused))
         lm_head = "fp" if lean and lm_head == "auto" else lm_head
-        self.kernel_paths = qmatmul.prepare_model(self.model, quant_kernel, self.dtype, self.device.type, fused, lean)
+        self.kernel_paths = prepare_model(self.model, quant_kernel, self.dtype, self.device.type, fused, lean)
         self.kernel_paths.update(prepare_experts(self.model, quant_kernel, self.device.type))
         self.lm_head_kind = self._prepare_head(lm_head, ckpt.quantized, fused, lean, quant_kernel)
         trim()  # the conversions' temporaries back to the OS before the KV pool is allocated

@@ -136,7 +136,7 @@ def export(spec: str, fmt: str, out: str | Path, overwrite: bool = False, dtype:
     from compress.checkpoint import atomic_dir
     from compress.exporters import dtypes
     from compress.exporters.common import load_source
-    from compress.families import check_fields, require
+    from compress.families import check_rope, require
     from compress.models import declared_dtype, resolve, source_config
 
     if fmt not in FORMATS:
@@ -152,7 +152,7 @@ def export(spec: str, fmt: str, out: str | Path, overwrite: bool = False, dtype:
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
     src = resolve(spec)
     if not src.gguf_file and (src.path / "config.json").is_file():  # before any weight is read
-        check_fields(json.loads((src.path / "config.json").read_text()), src.name)
+        check_rope(json.loads((src.path / "config.json").read_text()), src.name)
     if f.family_step is not None:
         require(source_config(src).model_type, f.family_step)
     dtype = dtypes.choose(fmt, dtype, declared_dtype(src) if f.own_dtype else None, f.dtypes, f.default_dtype)

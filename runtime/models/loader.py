@@ -103,12 +103,12 @@ class LazyTensors(Mapping):
 def open_checkpoint(spec: str, trust_remote_code: bool = False) -> Checkpoint:
     """Resolve ``spec`` with ``compress.models.resolve`` and read config, tensors and tokenizer (the tokenizer's
     own code runs only with ``trust_remote_code``)."""
-    from compress.families import check_fields
+    from compress.families import check_rope
     from compress.models import _load_gguf, load_tokenizer, resolve
 
     src = resolve(spec)
     if not src.gguf_file:  # before the tokenizer (whose config load would fail deep inside) and any weight
-        check_fields(json.loads((src.path / "config.json").read_text()), src.name)
+        check_rope(json.loads((src.path / "config.json").read_text()), src.name)
     try:
         tokenizer = load_tokenizer(src, trust_remote_code)
     except (OSError, ValueError, TypeError) as e:

@@ -66,7 +66,8 @@ def test_offload_is_chosen_when_only_it_fits():
     model = tiny_model("llama")
     cfg = load_recipe("gptq4").replace(nsamples=512, seqlen=512, batch_size=8)
     held, disk = plan(model, cfg, streamed=True), plan(model, cfg, streamed=True, offload=True)
-    assert disk.activations * 64 == held.activations
+    hidden = model.config.hidden_size  # on disk: every batch's inputs and outputs but the one being run
+    assert held.activations - disk.activations >= 2 * (512 - 8) * 512 * hidden * 4
     between = (held.peak + disk.peak) // 2
     assert plan_offload(model, cfg, True, between, None) == (disk, True)
     assert plan_offload(model, cfg, True, held.peak, None) == (held, False)
