@@ -104,10 +104,17 @@ def search_clip(x: Tensor, w: Tensor, scheme: Scheme, grid: int = 20, max_shrink
     C_g = x_g^T x_g / n, so each candidate costs [out, g] x [g, g] products per group instead of n-row ones."""
     xg = _grouped(x.float(), scheme).permute(1, 0, 2)  # [G, n, g]
     gram = torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]  # [G, g, g]
+    return shrink_search(w, scheme, lambda dq: (torch.bmm(dq, gram) * dq).sum(dim=-1).T, grid, max_shrink, chunk)
+
+
+def shrink_search(w: Tensor, scheme: Scheme, error: Callable[[Tensor], Tensor], grid: int, max_shrink: float,
+                  chunk: int) -> Bounds:
+    """Per (row, group), the shrink of the full range whose rounding error ``error(dq: [G, rows, g]) -> [rows, G]``
+    is smallest, ``w``'s rows taken ``chunk`` at a time."""
     wg_all = _grouped(w.float(), scheme)  # [out, G, g]
     lo_all, hi_all = full_range(wg_all, scheme)
     best_lo, best_hi = lo_all.clone(), hi_all.clone()
-    for r0 in range(0, w.shape[0], chunk):  # rows in chunks bound the [G, n, rows] error tensor
+    for r0 in range(0, w.shape[0], chunk):  # rows in chunks bound the error tensor
         rows = slice(r0, r0 + chunk)
         wg = wg_all[rows]
         best_err = None
@@ -115,8 +122,7 @@ def search_clip(x: Tensor, w: Tensor, scheme: Scheme, grid: int = 20, max_shrink
             f = 1 - k / grid
             lo, hi = lo_all[rows] * f, hi_all[rows] * f
             dq = fake_quantize_groups(torch.maximum(torch.minimum(wg, hi[..., None]), lo[..., None]), scheme) - wg
-            dq = dq.permute(1, 0, 2)  # [G, o, g]
-            err = (torch.bmm(dq, gram) * dq).sum(dim=-1).T  # [G, o] -> [o, G]
+            err = error(dq.permute(1, 0, 2))  # [G, o, g] -> [o, G]
             if best_err is None:
                 best_err = err
                 continue

@@ -17,30 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 
 def direct_search(x, w, scheme, grid, max_shrink=0.5, chunk=256):
-    """The search with each candidate's error taken over the sample rows themselves: [G, n, rows] per step."""
-    from compress.awq import Bounds, _grouped
-    from compress.quant import fake_quantize_groups
+    """The same search with each candidate's error taken over the sample rows themselves: [G, n, rows] per step.
+    The bench's full-range bounds are the asymmetric ones (its scheme), as the search before the Gram form."""
+    from compress.awq import _grouped, shrink_search
 
     xg = _grouped(x.float(), scheme).permute(1, 0, 2)  # [G, n, g]
-    wg_all = _grouped(w.float(), scheme)
-    lo_all, hi_all = wg_all.amin(dim=-1).clamp(max=0), wg_all.amax(dim=-1).clamp(min=0)
-    best_lo, best_hi = lo_all.clone(), hi_all.clone()
-    for r0 in range(0, w.shape[0], chunk):
-        rows = slice(r0, r0 + chunk)
-        wg, best_err = wg_all[rows], None
-        for k in range(int(grid * max_shrink) + 1):
-            f = 1 - k / grid
-            lo, hi = lo_all[rows] * f, hi_all[rows] * f
-            dq = fake_quantize_groups(torch.maximum(torch.minimum(wg, hi[..., None]), lo[..., None]), scheme) - wg
-            err = torch.bmm(xg, dq.permute(1, 2, 0)).pow_(2).mean(dim=1).T
-            if best_err is None:
-                best_err = err
-                continue
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_lo[rows] = torch.where(better, lo, best_lo[rows])
-            best_hi[rows] = torch.where(better, hi, best_hi[rows])
-    return Bounds(best_lo, best_hi)
+    return shrink_search(w, scheme, lambda dq: torch.bmm(xg, dq.transpose(1, 2)).pow_(2).mean(dim=1).T, grid,
+                         max_shrink, chunk)
 
 
 def main() -> None:
