@@ -107,8 +107,9 @@ def open_checkpoint(spec: str, trust_remote_code: bool = False) -> Checkpoint:
     from compress.models import _load_gguf, load_tokenizer, resolve
 
     src = resolve(spec)
-    if not src.gguf_file:  # before the tokenizer (whose config load would fail deep inside) and any weight
-        check_rope(json.loads((src.path / "config.json").read_text()), src.name)
+    cfg = None if src.gguf_file else json.loads((src.path / "config.json").read_text())
+    if cfg is not None:  # before the tokenizer (whose config load would fail deep inside) and any weight
+        check_rope(cfg, src.name)
     try:
         tokenizer = load_tokenizer(src, trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
@@ -121,7 +122,6 @@ def open_checkpoint(spec: str, trust_remote_code: bool = False) -> Checkpoint:
         cfg = hf.config.to_dict()
         return Checkpoint(src.name, cfg, dict(hf.state_dict()), {}, {}, None, False, tokenizer,
                           _eos_ids(getattr(gen, "eos_token_id", None), cfg.get("eos_token_id"), tok_eos), src)
-    cfg = json.loads((src.path / "config.json").read_text())
     qc: dict = {}
     if src.quantized:
         from compress.checkpoint import read_quantization_config
