@@ -95,7 +95,7 @@ def write(out: Path, shape: str | dict, layers: int | None, tokenizer=None) -> N
         groups[-1][name] = Lazy(torch.bfloat16, s, lambda name=name, s=s: _slabs(name, s))
         size += n
     with atomic_dir(out, overwrite=True) as tmp:
-        LlamaConfig(**c, max_position_embeddings=8192, rms_norm_eps=1e-5, torch_dtype="bfloat16").save_pretrained(tmp)
+        LlamaConfig(**{"max_position_embeddings": 8192, **c}, rms_norm_eps=1e-5, torch_dtype="bfloat16").save_pretrained(tmp)
         weight_map, total = {}, 0
         for k, group in enumerate(groups):
             name = shard_name(k + 1, len(groups))
