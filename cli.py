@@ -324,7 +324,10 @@ def report_cmd(model_spec, out, recipes, variants, exports, ppl, seqlen, max_win
               "token_embd) [default: q6_k for a quantized model, as llama.cpp's Q4_K_M, else --embed-type].")
 @click.option("--k-quants", is_flag=True, help="gguf: 4-bit layers whose width divides by 256 as Q4_K (our codes, "
               "scales rounded to 6 bits: smaller than Q4_1, not lossless); the others stay Q4_0/Q4_1.")
-def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type, output_type, k_quants):
+@click.option("--dequantize-embedding", is_flag=True, help="compressed-tensors/gptq/awq: write a quantized "
+              "embedding (and its tied head) dequantized at full width, which these formats otherwise refuse.")
+def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type, output_type, k_quants,
+               dequantize_embedding):
     """Export a quantized folder (or, for --format onnx/gguf, any model) to another runtime's format."""
     from compress import api
 
@@ -332,7 +335,8 @@ def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type, o
                if fmt == "gguf" else {})
     if fmt != "gguf" and (requantize or embed_type or output_type or k_quants):
         raise ValueError(f"--requantize, --embed-type, --output-type and --k-quants apply to --format gguf, not {fmt}")
-    path = api.export(model_spec, fmt, out, overwrite=overwrite, dtype=dtype, **options)
+    path = api.export(model_spec, fmt, out, overwrite=overwrite, dtype=dtype,
+                      dequantize_embedding=dequantize_embedding, **options)
     click.echo(f"wrote {fmt} export to {path}")
 
 

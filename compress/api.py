@@ -57,9 +57,10 @@ def evaluate(model: str | None, baseline: str | None = None, ppl: Iterable[str] 
 
 
 def export(model: str, format: str, out: str | Path, *, overwrite: bool = False, dtype: str | None = None,
-           **options) -> Path:
+           dequantize_embedding: bool = False, **options) -> Path:
     """Export ``model`` as ``format`` (compressed-tensors, gptq, awq, onnx, onnx-int4, gguf) to ``out``; GGUF
-    takes ``requantize``, ``embed_type``, ``output_type`` and ``k_quants`` (compress/exporters/gguf.py GGUFOptions)."""
+    takes ``requantize``, ``embed_type``, ``output_type`` and ``k_quants`` (compress/exporters/gguf.py GGUFOptions).
+    A quantized embedding that ``format`` has no codes for is refused unless ``dequantize_embedding``."""
     from compress.exporters.dispatch import export as run
 
     opts = None
@@ -69,4 +70,5 @@ def export(model: str, format: str, out: str | Path, *, overwrite: bool = False,
         opts = GGUFOptions(**options)
     elif options:
         raise ValueError(f"{', '.join(sorted(options))} apply to format gguf, not {format}")
-    return run(model, format, out, overwrite=overwrite, dtype=dtype, options=opts)
+    return run(model, format, out, overwrite=overwrite, dtype=dtype, options=opts,
+               dequantize_embedding=dequantize_embedding)

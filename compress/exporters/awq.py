@@ -8,7 +8,8 @@ Per quantized linear ``P`` (AutoAWQ ``WQLinear_GEMM.from_linear``):
 Dequantization: ``w[i, o] = (q[i, o] - z[i // group_size, o]) * scales[i // group_size, o]``.
 AWQ kernels always subtract a zero, so symmetric schemes store their implicit ``2**(bits-1)``.
 No g_idx (act-order cannot be carried) and no ragged groups (``in % group_size == 0`` is asserted).
-A quantized untied LM head is one more layer (``lm_head: true``); a quantized embedding is written dequantized.
+A quantized untied LM head is one more layer (``lm_head: true``); a quantized embedding is refused unless
+``--dequantize-embedding`` writes it dequantized.
 """
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from compress.exporters.common import (Source, export_config, fp_linear_names, f
                                     write_side_files, zeros_of)
 from compress.exporters.packing import awq_interleave, dense_pack
 from compress.qlinear import QuantLinear
+
+
+def check_embed(_) -> str:
+    return "AWQ quantizes linear layers only"
 
 
 def check(m: QuantLinear) -> str | None:

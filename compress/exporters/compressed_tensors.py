@@ -13,9 +13,9 @@ Dequantization there: ``(q_signed - zp_signed) * scale == (q - z) * scale``.
 A quantized untied LM head is one more quantized layer, named in its config group's targets: vLLM loads it since
 vllm-project/vllm#37291 (compressed-tensors' ``get_quant_method`` handles ParallelLMHead; older vLLM loads it
 unquantized and fails), transformers through the library. A quantized embedding has no compressed-tensors form
-(vLLM's embedding takes no quantization scheme), so it is written dequantized to the export dtype, logged: the
-checkpoint's values at full width, which is what vLLM can load (``--embed none`` at quantize time gives the
-original embedding instead).
+(vLLM's embedding takes no quantization scheme): the export refuses it unless ``--dequantize-embedding`` asks for
+it written dequantized in the export dtype (the checkpoint's values at full width, which vLLM loads); ``--embed
+none`` at quantize time keeps the original embedding instead.
 
 Not carried (see :func:`check`): act-order group maps (compressed-tensors removed ``actorder: group``),
 ragged groups (its group code requires ``in % group_size == 0``), NF4 (not an int grid), and 3 bits
@@ -35,6 +35,10 @@ from compress.quant import Scheme, pack
 
 FORMAT = "pack-quantized"
 BITS = (2, 4, 8)
+
+
+def check_embed(_) -> str:
+    return "vLLM's embedding takes no quantization scheme, so compressed-tensors has no form for it"
 
 
 def check(m: QuantLinear) -> str | None:

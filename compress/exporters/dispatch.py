@@ -109,6 +109,20 @@ def check_layers(source: Source, fmt: str) -> None:
                      f"and the compress folder itself keeps them as they are{head}")
 
 
+def check_embed(source: Source, fmt: str, dequantize: bool) -> None:
+    """Refuse a quantized embedding the format cannot carry as codes, unless asked to write it dequantized (the
+    checkpoint's values at full width: the export is then that much larger than the checkpoint)."""
+    check = getattr(FORMATS[fmt].exporter(), "check_embed", None)
+    table = source.tables.embed
+    if check is None or table is None or dequantize or (why := check(table.weight)) is None:
+        return
+    rows, width = table.weight.q.shape
+    tied = " and its tied head" if source.tables.head is not None and source.tables.head.tied else ""
+    raise ValueError(f"--format {fmt} cannot carry the quantized embedding {table.name} ({table.weight.scheme}: "
+                     f"{why}). Pass --dequantize-embedding to write it{tied} at full width (+{rows * width * 2 / 2**20:,.0f} "
+                     "MiB at 16 bits), or quantize with --embed none; gguf and onnx-int4 carry its codes")
+
+
 @contextlib.contextmanager
 def atomic_file(out: Path, overwrite: bool = False):
     """Yield a temporary path beside ``out``; rename it into place only if the block succeeds."""
@@ -131,8 +145,9 @@ def atomic_file(out: Path, overwrite: bool = False):
 
 
 def export(spec: str, fmt: str, out: str | Path, overwrite: bool = False, dtype: str | None = None,
-           options: object | None = None) -> Path:
-    """Export the model ``spec`` (a compress quantized folder, an HF folder or a model name) as ``fmt``."""
+           options: object | None = None, dequantize_embedding: bool = False) -> Path:
+    """Export the model ``spec`` (a compress quantized folder, an HF folder or a model name) as ``fmt``; a
+    quantized embedding the format has no codes for is refused unless ``dequantize_embedding``."""
     from compress.checkpoint import atomic_dir
     from compress.exporters import dtypes
     from compress.exporters.common import load_source
@@ -165,6 +180,7 @@ def export(spec: str, fmt: str, out: str | Path, overwrite: bool = False, dtype:
     check_experts(source, fmt)
     if getattr(options, "requantize", None) is None:
         check_layers(source, fmt)
+    check_embed(source, fmt, dequantize_embedding)
     if dtype == "float16" and f.fp16_probe:
         instead = "bfloat16" if "bfloat16" in f.dtypes else "float32"
         dtypes.require_fp16_safe(source.model, source.tokenizer, fmt, instead)

@@ -17,7 +17,7 @@ zeros): GPTQModel reads it, vLLM reads it since vllm-project/vllm#26092 (its ``g
 ``checkpoint_format`` in ``quantize_config.json``), and transformers through gptqmodel (``GPTQConfig``'s
 ``checkpoint_format``); AutoGPTQ and older vLLM read only v1. Every other model stays v1, which every reader takes.
 An untied quantized LM head is one more quantized layer (``lm_head: true``, as GPTQModel writes it); a quantized
-embedding has no GPTQ form and is written dequantized in the export dtype (exporters/common.py ``fp_tensors``).
+embedding has no GPTQ form: refused unless ``--dequantize-embedding`` writes it dequantized in the export dtype.
 """
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ BITS = (2, 3, 4, 8)
 def _multiple(bits: int) -> int:
     """The smallest width whose codes fill whole int32 words."""
     return 32 if bits == 3 else 32 // bits
+
+
+def check_embed(_) -> str:
+    return "GPTQ quantizes linear layers only"
 
 
 def check(m: QuantLinear) -> str | None:

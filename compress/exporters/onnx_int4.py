@@ -188,6 +188,13 @@ class NBitsLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def check_embed(qw: QuantizedWeight) -> str | None:
+    if gather_block(qw) is None:
+        return ("GatherBlockQuantized takes 4- or 8-bit integer codes in power-of-two blocks of at least 16 "
+                "(at 4 bits an even number of them a row)")
+    return None
+
+
 def gather_block(qw: QuantizedWeight) -> int | None:
     """GatherBlockQuantized's block for a quantized embedding (a power of two >= 16 inside each group), or None."""
     width = qw.q.shape[-1]
@@ -270,8 +277,8 @@ def nbits_copy(model: nn.Module, dtype: torch.dtype, tables: Tables | None = Non
         set_module(model, name, NBitsLinear(m))
     embed = tables.embed if tables is not None else None
     if embed is not None and gather_block(embed.weight) is None:
-        log.warning("%s: its %s codes do not fit GatherBlockQuantized's blocks; written dequantized", embed.name,
-                    embed.weight.scheme)
+        log.info("%s: its %s codes do not fit GatherBlockQuantized's blocks; written dequantized, as asked",
+                 embed.name, embed.weight.scheme)
     elif embed is not None:
         scale = getattr(model.get_submodule(embed.name), "embed_scale", None)
         set_module(model, embed.name, GatherQuantizedEmbedding(embed.weight, scale))

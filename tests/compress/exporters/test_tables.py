@@ -132,7 +132,7 @@ def test_gptq_carries_the_head_as_a_quantized_layer_and_the_embedding_dequantize
     from .test_gptq import reference_dequantize
 
     src = small(*case)
-    out = export(str(src), "gptq", tmp_path / "g", dtype="float32")
+    out = export(str(src), "gptq", tmp_path / "g", dtype="float32", dequantize_embedding=True)
     tensors = load_file(str(out / "model.safetensors"))
     qc = json.loads((out / "quantize_config.json").read_text())
     assert torch.equal(tensors["model.embed_tokens.weight"], _reference(src, "embed"))
@@ -153,7 +153,7 @@ def test_awq_carries_the_head_as_a_quantized_layer(small, tmp_path):
     from .test_awq import reference_dequantize
 
     src = small(*UNTIED)
-    out = export(str(src), "awq", tmp_path / "a", dtype="float32")
+    out = export(str(src), "awq", tmp_path / "a", dtype="float32", dequantize_embedding=True)
     tensors = load_file(str(out / "model.safetensors"))
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["modules_to_not_convert"] is None and qc["lm_head"] is True
@@ -175,7 +175,7 @@ def test_compressed_tensors_quantized_head_loads_in_transformers_with_our_logits
     from compress.checkpoint import load_quantized
 
     src = small(*case)
-    out = export(str(src), "compressed-tensors", tmp_path / "c", dtype="float32")
+    out = export(str(src), "compressed-tensors", tmp_path / "c", dtype="float32", dequantize_embedding=True)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     tensors = load_file(str(out / "model.safetensors"))
     assert torch.equal(tensors["model.embed_tokens.weight"], _reference(src, "embed"))
@@ -313,3 +313,21 @@ def test_a_head_the_format_cannot_carry_is_refused_naming_the_flag(tabled, tmp_p
     with pytest.raises(ValueError, match="awq cannot carry lm_head") as e:
         export(str(src), "awq", tmp_path / "a")
     assert "--head none" in str(e.value) and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq", "awq"])
+def test_an_embedding_the_format_cannot_carry_is_refused_naming_the_flag(small, tmp_path, fmt):
+    """Written dequantized, the table would silently make the export the fp model's size: refused, naming
+    --dequantize-embedding and --embed none, and nothing written."""
+    src = small(*TIED)
+    with pytest.raises(ValueError, match=f"--format {fmt} cannot carry the quantized embedding") as e:
+        export(str(src), fmt, tmp_path / "x")
+    assert "--dequantize-embedding" in str(e.value) and "--embed none" in str(e.value)
+    assert not (tmp_path / "x").exists()
+
+
+def test_onnx_int4_refuses_an_embedding_gather_block_quantized_cannot_take(small, tmp_path):
+    src = small("llama", Scheme(4, 32, True, "nf4"), None)
+    with pytest.raises(ValueError, match="onnx-int4 cannot carry the quantized embedding .*GatherBlockQuantized"):
+        export(str(src), "onnx-int4", tmp_path / "o")
+    assert not (tmp_path / "o").exists()

@@ -145,7 +145,9 @@ def test_tables_round_trip_through_every_format(case, tmp_path, family, tied):
             with pytest.raises(ValueError, match=f"--format {fmt} cannot carry .*packed MoE experts"):
                 export(str(c.out), fmt, tmp_path / fmt)
             continue
-        check(c, export(str(c.out), fmt, tmp_path / fmt, dtype="float32"))
+        with pytest.raises(ValueError, match=f"--format {fmt} cannot carry the quantized embedding"):
+            export(str(c.out), fmt, tmp_path / fmt)
+        check(c, export(str(c.out), fmt, tmp_path / fmt, dtype="float32", dequantize_embedding=True))
     if supports(family, "gguf"):
         _gguf(c, export(str(c.out), "gguf", tmp_path / "m.gguf"))
     else:
