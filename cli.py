@@ -411,7 +411,7 @@ def serve(model_spec, host, port, api_key, max_queue, served_model_names, chat_t
           tool_call_parser, **engine):
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     from compress.memory import parse_size
-    from runtime.server import serve as run_server
+    from runtime.serve.server import serve as run_server
 
     if kv_cache_memory is not None:
         engine["kv_cache_memory"] = parse_size(kv_cache_memory)

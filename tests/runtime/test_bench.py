@@ -6,7 +6,7 @@ from click.testing import CliRunner
 
 from runtime.bench import BenchConfig, RunResult, format_table, summarize
 from runtime.bench_workload import INSTRUCTION, make_requests
-from test_server import char_tokenizer, model_dir  # noqa: F401  (a fixture, shared)
+from live_server import char_tokenizer, model_dir  # noqa: F401  (a fixture, shared)
 
 
 @pytest.mark.parametrize("grounded", [False, True])

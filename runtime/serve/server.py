@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server over the engine: /v1/completions, /v1/chat/completions, /v1/models,
 /health and /metrics (Prometheus), with SSE streaming.
 
-One background thread steps the engine (runtime/engine_loop.py); each request waits on its own
+One background thread steps the engine (runtime/serve/engine_loop.py); each request waits on its own
 asyncio queue, so slow clients never stall the batch. A client that disconnects has its request
 aborted and its KV blocks freed. With an API key every /v1 route needs ``Authorization: Bearer KEY``.
 """
@@ -18,13 +18,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from runtime import openai_routes as routes
-from runtime.engine_loop import EngineLoop
-from runtime.metrics import ServerMetrics
-from runtime.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from runtime.serve import openai_routes as routes
+from runtime.serve.engine_loop import EngineLoop
+from runtime.serve.metrics import ServerMetrics
+from runtime.serve.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest)
-from runtime.serving import RequestRunner
-from runtime.tool_calls import FORMATS
+from runtime.serve.serving import RequestRunner
+from runtime.serve.tool_calls import FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class ServerConfig:
     model_name: str
     api_key: str | None = None
     served_model_names: tuple[str, ...] = ()  # the names requests may use; default: model_name and its folder name
-    tool_call_parser: str = "hermes"  # how the model writes tool calls: a runtime/tool_calls.py FORMATS name
+    tool_call_parser: str = "hermes"  # how the model writes tool calls: a runtime/serve/tool_calls.py FORMATS name
     max_queue: int = 256  # requests admitted beyond the running batch before answering 429
     max_num_seqs: int = 64
 

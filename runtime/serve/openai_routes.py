@@ -14,15 +14,15 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from runtime import tool_calls
+from runtime.serve import tool_calls
 from runtime.guided import GuideSpec
-from runtime.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from runtime.serve.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, check_logprobs)
-from runtime.openai_responses import (chat_body, chat_choice, chat_chunk, chat_logprobs, completion_body,
+from runtime.serve.openai_responses import (chat_body, chat_choice, chat_chunk, chat_logprobs, completion_body,
                                       completion_choice, completion_logprobs, new_id, usage_chunk)
 from runtime.sequence import SamplingParams, TokenLogprob
-from runtime.serving import Choice, RequestRunner, Submitted
-from runtime.tool_calls import ToolFormat
+from runtime.serve.serving import Choice, RequestRunner, Submitted
+from runtime.serve.tool_calls import ToolFormat
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
