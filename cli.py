@@ -450,7 +450,7 @@ def bench(model_spec, baseline, prompt_len, output_len, concurrency, requests_pe
     import json
     from pathlib import Path
 
-    from runtime.bench import BenchConfig, format_table, run_bench
+    from runtime.bench.scenarios import BenchConfig, format_table, run_bench
 
     cfg = BenchConfig(model=model_spec, baseline=baseline, prompt_len=prompt_len, output_len=output_len,
                       concurrency=_levels(concurrency), requests_per_level=requests_per_level, jitter=jitter,
