@@ -286,14 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         todo["llamacpp"] = lambda: llamacpp_repeat(bin_dir, gguf, threads, levels)
     if hf is not None:
         todo["hf"] = lambda: hf_repeat(hf, rng)
-    runs: dict[str, dict[str, list[float]]] = {s: {} for s in SYSTEMS}
     load_before = os.getloadavg()[0]  # other work on the machine skews every figure: say how busy it was
-    for i in range(a.repeats):  # interleaved: noise hits every system alike
-        for system, fn in todo.items():
-            log.info("repeat %d/%d: %s", i + 1, a.repeats, system)
-            for key, v in fn().items():
-                runs[system].setdefault(key, []).append(v)
-
+    runs = interleave(todo, a.repeats)
     rows = build_rows(runs, levels)
     meta = {"cpu": cpu_model_name(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").is_file() else "?",
             "threads": threads, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "engine_dtype": dtype_used,
@@ -301,16 +295,32 @@ def main(argv: list[str] | None = None) -> None:
             "requested_dtype": a.dtype, "command": shlex.join([sys.executable, *sys.argv]), "model": a.model,
             "gguf": gguf and str(gguf), "llamacpp_bin": bin_dir and str(bin_dir), "repeats": a.repeats,
             "parallel": levels, "torch": torch.__version__, "loadavg_1min": [load_before, os.getloadavg()[0]]}
-    print(f"CPU: {meta['cpu']} | threads: {threads} | date: {meta['date']} | engine dtype: {dtype_used} "
-          f"(requested {a.dtype}), lm_head {head_used}, ops {meta['engine_cpu_ops']} | medians of {a.repeats} "
-          f"repeat(s) | load avg {load_before:.1f} -> "
-          f"{meta['loadavg_1min'][1]:.1f}")
+    report(meta, rows, runs, a.json)
+
+
+def interleave(todo: dict, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Each repeat runs every system in turn, so machine noise hits them alike; runs[system][key]: one per repeat."""
+    runs: dict[str, dict[str, list[float]]] = {s: {} for s in SYSTEMS}
+    for i in range(repeats):
+        for system, fn in todo.items():
+            log.info("repeat %d/%d: %s", i + 1, repeats, system)
+            for key, v in fn().items():
+                runs[system].setdefault(key, []).append(v)
+    return runs
+
+
+def report(meta: dict, rows: list[Row], runs: dict, json_path: str | None) -> None:
+    """The machine line, the command and the table on stdout; everything as JSON at ``json_path``."""
+    print(f"CPU: {meta['cpu']} | threads: {meta['threads']} | date: {meta['date']} | engine dtype: "
+          f"{meta['engine_dtype']} (requested {meta['requested_dtype']}), lm_head {meta['engine_lm_head']}, ops "
+          f"{meta['engine_cpu_ops']} | medians of {meta['repeats']} repeat(s) | load avg {meta['loadavg_1min'][0]:.1f} "
+          f"-> {meta['loadavg_1min'][1]:.1f}")
     print(f"command: {meta['command']}")
     print(format_table(rows))
-    if a.json:
+    if json_path:
         rows_out = [asdict(r) | {"ratio": r.ratio} for r in rows]
-        Path(a.json).write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows_out}, indent=2))
-        log.info("wrote %s", a.json)
+        Path(json_path).write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows_out}, indent=2))
+        log.info("wrote %s", json_path)
 
 
 if __name__ == "__main__":
