@@ -10,7 +10,7 @@ from runtime.serve import tool_calls
 from runtime.serve.openai_protocol import APIError, ChatCompletionRequest, TokenizeRequest, check_logprobs
 from runtime.serve.openai_responses import chat_body, chat_choice, chat_chunk, chat_logprobs, new_id, usage_chunk
 from runtime.serve.routes.generation import AbortOnClose, guide_for, sampling_params, sse
-from runtime.serve.serving import Choice, RequestRunner
+from runtime.serve.serving import Choice, RequestRunner, Submitted
 from runtime.serve.state import served
 from runtime.serve.tool_calls import ToolFormat
 
@@ -63,6 +63,54 @@ def _message(c: Choice, req: ChatCompletionRequest, fmt: ToolFormat) -> tuple[st
     return content, calls or None, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
 
+class _ChatShape:
+    """Builds /v1/chat/completions choices and streamed chunks (logprobs, tool calls, usage) for one request."""
+
+    def __init__(self, engine, req: ChatCompletionRequest, sub: Submitted, model: str, fmt: ToolFormat,
+                 top: int | None):
+        self.engine, self.req, self.sub, self.model, self.fmt, self.top = engine, req, sub, model, fmt, top
+
+    def logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if self.top is None:
+            return None
+        return chat_logprobs(entries, self.engine.token_strings([e.token_id for e in entries] +
+                                                                [t for e in entries for t, _ in e.top]))
+
+    def final(self, use) -> dict | None:
+        return usage_chunk(self.sub.rid, self.model, "chat.completion.chunk", use) if self.req.include_usage else None
+
+    def choice(self, c: Choice) -> dict:
+        content, calls, finish = _message(c, self.req, self.fmt)
+        return chat_choice(c.index, content, self.logprobs(c.logprobs), finish, tool_calls=calls)
+
+    def chunk(self, c: Choice, out) -> dict | None:
+        text = c.unsent_text()
+        delta = {"role": "assistant", "content": text} if not c.emitted else ({"content": text} if text else {})
+        if not delta and not out.finished:
+            return None
+        finish = out.finish_reason if out.finished else None
+        choice = chat_choice(c.index, "", self.logprobs(c.unsent_logprobs()), finish, delta=delta)
+        return chat_chunk(self.sub.rid, self.model, [choice])
+
+    async def whole_chunks(self, runner: RequestRunner):
+        """With tools, calls are parsed from the whole output: one chunk per choice at its end."""
+        try:
+            choices = await runner.collect(self.sub, None)
+        except APIError as e:
+            yield e.body()
+            return
+        for c in choices:
+            content, calls, finish = _message(c, self.req, self.fmt)
+            delta = {"role": "assistant", "content": content}
+            if calls:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+            choice = chat_choice(c.index, None, self.logprobs(c.logprobs), finish, delta=delta)
+            yield chat_chunk(self.sub.rid, self.model, [choice])
+        last = self.final(self.sub.usage(choices))
+        if last is not None:
+            yield last
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     s = served(request)
@@ -78,48 +126,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     guide = await chat_guide(runner, req, fmt)
     params = sampling_params(req, max_tokens, engine.runner.vocab_size, logprobs=top, guide=guide)
     sub = runner.submit([ids], params, req.n, new_id("chatcmpl"), "messages")
-
-    def logprobs(entries: list[TokenLogprob]) -> dict | None:
-        if top is None:
-            return None
-        return chat_logprobs(entries, engine.token_strings([e.token_id for e in entries] +
-                                                           [t for e in entries for t, _ in e.top]))
-
-    def final(use):
-        return usage_chunk(sub.rid, model, "chat.completion.chunk", use) if req.include_usage else None
-
-    if req.stream and req.tools_active:  # calls are parsed from the whole output: one chunk per choice at its end
-        return AbortOnClose(sse(_whole_chunks(runner, sub, req, fmt, model, logprobs, final)),
-                             lambda: runner.abort(sub))
+    shape = _ChatShape(engine, req, sub, model, fmt, top)
+    if req.stream and req.tools_active:
+        return AbortOnClose(sse(shape.whole_chunks(runner)), lambda: runner.abort(sub))
     if req.stream:
-        def chunk_of(c: Choice, out) -> dict | None:
-            text = c.unsent_text()
-            delta = {"role": "assistant", "content": text} if not c.emitted else ({"content": text} if text else {})
-            if not delta and not out.finished:
-                return None
-            finish = out.finish_reason if out.finished else None
-            choice = chat_choice(c.index, "", logprobs(c.unsent_logprobs()), finish, delta=delta)
-            return chat_chunk(sub.rid, model, [choice])
-        events = runner.stream(sub, chunk_of, final if req.include_usage else None)
+        events = runner.stream(sub, shape.chunk, shape.final if req.include_usage else None)
         return AbortOnClose(sse(events), lambda: runner.abort(sub))
-    choices, body = await runner.collect(sub, request), []
-    for c in choices:
-        content, calls, finish = _message(c, req, fmt)
-        body.append(chat_choice(c.index, content, logprobs(c.logprobs), finish, tool_calls=calls))
-    return chat_body(sub.rid, model, body, sub.usage(choices))
-
-
-async def _whole_chunks(runner, sub, req, fmt, model, logprobs, final):
-    try:
-        choices = await runner.collect(sub, None)
-    except APIError as e:
-        yield e.body()
-        return
-    for c in choices:
-        content, calls, finish = _message(c, req, fmt)
-        delta = {"role": "assistant", "content": content}
-        if calls:
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-        yield chat_chunk(sub.rid, model, [chat_choice(c.index, None, logprobs(c.logprobs), finish, delta=delta)])
-    if final(sub.usage(choices)) is not None:
-        yield final(sub.usage(choices))
+    choices = await runner.collect(sub, request)
+    return chat_body(sub.rid, model, [shape.choice(c) for c in choices], sub.usage(choices))
