@@ -415,7 +415,7 @@ def serve(model_spec, host, port, api_key, max_queue, served_model_names, chat_t
           tool_call_parser, **engine):
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     from compress.memory import parse_size
-    from runtime.server import serve as run_server
+    from runtime.serve.server import serve as run_server
 
     if kv_cache_memory is not None:
         engine["kv_cache_memory"] = parse_size(kv_cache_memory)
@@ -454,7 +454,7 @@ def bench(model_spec, baseline, prompt_len, output_len, concurrency, requests_pe
     import json
     from pathlib import Path
 
-    from runtime.bench import BenchConfig, format_table, run_bench
+    from runtime.bench.scenarios import BenchConfig, format_table, run_bench
 
     cfg = BenchConfig(model=model_spec, baseline=baseline, prompt_len=prompt_len, output_len=output_len,
                       concurrency=_levels(concurrency), requests_per_level=requests_per_level, jitter=jitter,

@@ -1,5 +1,5 @@
 """runtime: the serving engine. ``runtime.LLM(model).generate(prompts, SamplingParams(...))`` runs it offline
-(runtime/llm.py); ``compress serve`` puts it behind an OpenAI-compatible HTTP server (runtime/server.py)."""
+(runtime/llm.py); ``compress serve`` puts it behind an OpenAI-compatible HTTP server (runtime/serve/)."""
 
 __all__ = ["LLM", "SamplingParams"]
 

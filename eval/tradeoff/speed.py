@@ -1,7 +1,8 @@
 """A variant's speed in the runtime that serves it: this engine for checkpoints, ONNX Runtime for ONNX
 exports, llama.cpp (when built by scripts/bench/llamacpp.sh) for GGUF files. Every runtime gets the same
 work: prompts of ``prompt_len`` tokens, ``output_len`` new tokens each, EOS ignored; TTFT and TPOT at
-batch 1, output tokens per second at ``concurrency`` requests at once."""
+batch 1, output tokens per second at ``concurrency`` requests at once. The engine is timed by
+runtime/bench/timing.py (the measurement ``compress bench`` uses), ONNX Runtime's medians come from it too."""
 from __future__ import annotations
 
 import gc
@@ -11,6 +12,8 @@ import os
 import subprocess
 import time
 from pathlib import Path
+
+from runtime.bench.timing import median
 
 BATCH1_REQUESTS = 3  # sequential requests timed at batch 1 (medians)
 KV_CACHE_MEMORY = 1 << 28
@@ -24,14 +27,14 @@ def torch_threads() -> int:
 
 
 def _requests(tokenizer, n: int, cfg, seed: int):
-    from runtime.bench_workload import make_requests
+    from runtime.bench.workload import make_requests
 
     return make_requests(tokenizer, n, cfg.prompt_len, cfg.output_len, jitter=0.0, seed=seed)
 
 
 def engine_speed(spec: str, cfg) -> dict:
     """This engine (runtime/): batch-1 TTFT/TPOT and continuous-batching throughput at ``cfg.concurrency``."""
-    from runtime.bench import run_engine, summarize
+    from runtime.bench.timing import run_engine, summarize
     from runtime.config import EngineConfig
     from runtime.engine import Engine
     from runtime.model_runner import kv_bytes_per_block
@@ -81,7 +84,7 @@ def onnx_speed(path: str, cfg) -> dict:
     t0 = time.perf_counter()
     model.generate(torch.tensor([r.prompt_ids for r in reqs]), max_new_tokens=cfg.output_len)
     wall = time.perf_counter() - t0
-    ttft_ms, tpot_ms = 1000 * sorted(ttft[1:])[len(ttft[1:]) // 2], 1000 * sorted(tpot[1:])[len(tpot[1:]) // 2]
+    ttft_ms, tpot_ms = 1000 * median(ttft[1:]), 1000 * median(tpot[1:])
     kv = 2 * model.n_layers * model.kv_heads * model.head_dim * np.dtype(model.np_dtype).itemsize
     return {"runtime": "onnxruntime", "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "decode_tok_s": 1000.0 / tpot_ms,
             "output_tok_s": cfg.concurrency * cfg.output_len / wall, "concurrency": cfg.concurrency,

@@ -7,6 +7,8 @@ prompt processing (pp128), batch-1 decode (tg128), and N parallel sequences of 1
 Each row is the median of --repeats runs; each repeat runs engine, llama.cpp, transformers in turn, so machine
 noise hits them alike. Every engine request gets its own random prompt: prefix caching must not skip work.
 llama.cpp figures come from llama-bench (pp/tg, one call with -r 1) and llama-batched-bench (all levels, one call).
+Engine and transformers timings come from runtime/bench/timing.py, the core `compress bench` and `compress report`
+use.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import math
 import os
 import random
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -102,9 +103,10 @@ def batched_ctx(levels: list[int], prompt: int = PROMPT, gen: int = GEN) -> int:
 
 def build_rows(runs: dict[str, dict[str, list[float]]], levels: list[int]) -> list[Row]:
     """runs[system][key] holds one number per repeat; a row holds their medians."""
+    from runtime.bench.timing import median
+
     def med(system: str, key: str) -> float | None:
-        xs = runs.get(system, {}).get(key, [])
-        return statistics.median(xs) if xs else None
+        return median(runs.get(system, {}).get(key, []))
     return [Row(label, key, med("engine", key), med("llamacpp", key), med("hf", key), med("engine_fp", key))
             for key, label in metric_keys(levels)]
 
@@ -132,43 +134,30 @@ def cpu_model_name(cpuinfo: str) -> str:
 
 
 # --- our engine ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Timing:
-    start: float
-    first: list[float]  # per request: when its first token came back
-    end: float
-
-
 def random_prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(n)]
 
 
-def drive(engine, sampling_cls, prompts: list[list[int]], max_tokens: int) -> Timing:
-    """Submit every prompt at once, step until all are done; greedy, EOS ignored, so lengths are exact."""
-    params = sampling_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    ids = [engine.add_request(p, params) for p in prompts]
-    first: dict[str, float] = {}
-    while engine.has_unfinished():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for o in outputs:
-            if o.new_token_ids:
-                first.setdefault(o.request_id, now)
-    assert len(first) == len(ids), (len(first), len(ids))
-    return Timing(start, [first[i] for i in ids], time.perf_counter())
+def drive(engine, sampling_cls, prompts: list[list[int]], max_tokens: int):
+    """Submit every prompt at once, step until all are done (runtime/bench/timing.py, no KV accounting between
+    steps); greedy, EOS ignored, so lengths are exact."""
+    from runtime.bench.timing import run_engine
+    from runtime.bench.workload import Request
+
+    requests = [Request(tuple(p), max_tokens) for p in prompts]
+    return run_engine(engine, requests, len(requests), False, sampling_cls, kv_slots=False)
 
 
 def engine_repeat(engine, sampling_cls, rng: random.Random, levels: list[int]) -> dict[str, float]:
     """One repeat of every engine row (batch-1 rows only when ``levels`` is empty), each on fresh random prompts."""
     t = drive(engine, sampling_cls, random_prompts(rng, 1, PROMPT), 1)
-    out = {f"pp{PROMPT}": PROMPT / (t.first[0] - t.start)}
+    out = {f"pp{PROMPT}": PROMPT / t.first_token_at[0]}
     t = drive(engine, sampling_cls, random_prompts(rng, 1, TINY_PROMPT), GEN)
-    out[f"tg{GEN}"] = (GEN - 1) / (t.end - t.first[0])
+    out[f"tg{GEN}"] = (GEN - 1) / (t.wall - t.first_token_at[0])
     for n in levels:
         t = drive(engine, sampling_cls, random_prompts(rng, n, PROMPT), GEN)
-        out[f"par{n}_out"] = n * GEN / (t.end - t.start)
-        out[f"par{n}_decode"] = n * (GEN - 1) / (t.end - max(t.first))  # after the last prompt is in
+        out[f"par{n}_out"] = t.output_tokens / t.wall  # n * GEN tokens
+        out[f"par{n}_decode"] = n * (GEN - 1) / (t.wall - max(t.first_token_at))  # after the last prompt is in
     return out
 
 
@@ -188,29 +177,21 @@ def llamacpp_repeat(bin_dir: Path, gguf: Path, threads: int, levels: list[int]) 
 
 
 # --- transformers --------------------------------------------------------------------------------------------
-class _Clock(list):
-    """A generate() streamer that only timestamps: put() gets the prompt, then one call per new token."""
-
-    def put(self, value) -> None:
-        self.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
 def hf_repeat(model, rng: random.Random) -> dict[str, float]:
     import torch
+
+    from runtime.bench.timing import StepClock
 
     with torch.inference_mode():
         ids = torch.tensor(random_prompts(rng, 1, PROMPT))
         t0 = time.perf_counter()
         model(input_ids=ids)
         pp = PROMPT / (time.perf_counter() - t0)
-        clock = _Clock()
+        clock = StepClock()
         ids = torch.tensor(random_prompts(rng, 1, TINY_PROMPT))
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=GEN, min_new_tokens=GEN,
                        do_sample=False, streamer=clock, pad_token_id=0)
-    steps = clock[1:]  # [0] is the prompt being handed over
+    steps = clock.steps
     assert len(steps) == GEN, (len(steps), GEN)
     return {f"pp{PROMPT}": pp, f"tg{GEN}": (GEN - 1) / (steps[-1] - steps[0])}
 
@@ -305,14 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         todo["llamacpp"] = lambda: llamacpp_repeat(bin_dir, gguf, threads, levels)
     if hf is not None:
         todo["hf"] = lambda: hf_repeat(hf, rng)
-    runs: dict[str, dict[str, list[float]]] = {s: {} for s in SYSTEMS}
     load_before = os.getloadavg()[0]  # other work on the machine skews every figure: say how busy it was
-    for i in range(a.repeats):  # interleaved: noise hits every system alike
-        for system, fn in todo.items():
-            log.info("repeat %d/%d: %s", i + 1, a.repeats, system)
-            for key, v in fn().items():
-                runs[system].setdefault(key, []).append(v)
-
+    runs = interleave(todo, a.repeats)
     rows = build_rows(runs, levels)
     meta = {"cpu": cpu_model_name(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").is_file() else "?",
             "threads": threads, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "engine_dtype": dtype_used,
@@ -320,16 +295,32 @@ def main(argv: list[str] | None = None) -> None:
             "requested_dtype": a.dtype, "command": shlex.join([sys.executable, *sys.argv]), "model": a.model,
             "gguf": gguf and str(gguf), "llamacpp_bin": bin_dir and str(bin_dir), "repeats": a.repeats,
             "parallel": levels, "torch": torch.__version__, "loadavg_1min": [load_before, os.getloadavg()[0]]}
-    print(f"CPU: {meta['cpu']} | threads: {threads} | date: {meta['date']} | engine dtype: {dtype_used} "
-          f"(requested {a.dtype}), lm_head {head_used}, ops {meta['engine_cpu_ops']} | medians of {a.repeats} "
-          f"repeat(s) | load avg {load_before:.1f} -> "
-          f"{meta['loadavg_1min'][1]:.1f}")
+    report(meta, rows, runs, a.json)
+
+
+def interleave(todo: dict, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Each repeat runs every system in turn, so machine noise hits them alike; runs[system][key]: one per repeat."""
+    runs: dict[str, dict[str, list[float]]] = {s: {} for s in SYSTEMS}
+    for i in range(repeats):
+        for system, fn in todo.items():
+            log.info("repeat %d/%d: %s", i + 1, repeats, system)
+            for key, v in fn().items():
+                runs[system].setdefault(key, []).append(v)
+    return runs
+
+
+def report(meta: dict, rows: list[Row], runs: dict, json_path: str | None) -> None:
+    """The machine line, the command and the table on stdout; everything as JSON at ``json_path``."""
+    print(f"CPU: {meta['cpu']} | threads: {meta['threads']} | date: {meta['date']} | engine dtype: "
+          f"{meta['engine_dtype']} (requested {meta['requested_dtype']}), lm_head {meta['engine_lm_head']}, ops "
+          f"{meta['engine_cpu_ops']} | medians of {meta['repeats']} repeat(s) | load avg {meta['loadavg_1min'][0]:.1f} "
+          f"-> {meta['loadavg_1min'][1]:.1f}")
     print(f"command: {meta['command']}")
     print(format_table(rows))
-    if a.json:
+    if json_path:
         rows_out = [asdict(r) | {"ratio": r.ratio} for r in rows]
-        Path(a.json).write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows_out}, indent=2))
-        log.info("wrote %s", a.json)
+        Path(json_path).write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows_out}, indent=2))
+        log.info("wrote %s", json_path)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 The model comes from scripts/make_random_model.py (the 1b shape on a GPU, a 2-block toy in the dry run) with a
 byte-level tokenizer built here, so nothing is read from a hub or a package (the SmolLM2 GGUF is 94 MiB, too big
 to travel with the tree). It is quantized as ``compress quantize --recipe rtn4 --stream`` does, then runs in the
-engine at each batch size through runtime/bench.py's request loop: TTFT and time per output token are medians over
-requests, tok/s is output tokens over wall time.
+engine at each batch size through runtime/bench/timing.py's request loop: TTFT and time per output token are
+medians over requests, tok/s is output tokens over wall time.
 """
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def _shape_fields(plan: EnginePlan, root: Path) -> dict:
 
 def run_batches(plan: EnginePlan, checkpoint: str, device: str, left: Callable[[], float]) -> dict:
     """Warm up, then each batch size: ``batch`` requests admitted together, each ``output_len`` tokens (no EOS)."""
-    from runtime.bench import run_engine, summarize
-    from runtime.bench_workload import make_requests
+    from runtime.bench.timing import run_engine, summarize
+    from runtime.bench.workload import make_requests
     from runtime.config import EngineConfig
     from runtime.engine import Engine
     from runtime.sequence import SamplingParams

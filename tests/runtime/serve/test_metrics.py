@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from runtime.metrics import Counter, Histogram, RequestTiming, ServerMetrics
+from runtime.serve.metrics import Counter, Histogram, RequestTiming, ServerMetrics
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
 

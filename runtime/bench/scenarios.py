@@ -4,7 +4,7 @@ batching, speculative decoding on and off, an fp32 baseline vs the model under t
 Every scenario runs the same kind of synthetic workload: ``n`` requests whose prompt and output
 lengths are drawn from ``[len * (1 - jitter), len]`` (real traffic is ragged, which is what makes
 static batching and static KV preallocation wasteful). Outputs ignore EOS so lengths are exact.
-Per request we time TTFT (arrival -> first token) and TPOT (mean gap between later tokens); a
+Per request we time TTFT and TPOT (runtime/bench/timing.py, the one measurement core); a
 row reports their medians, the useful output tokens per second of wall time, and KV-cache token
 slots allocated vs holding a token (the waste). The speculative rows use prompt-grounded requests
 (asked to repeat a passage they contain), where n-gram drafting has something to find.
@@ -14,12 +14,11 @@ from __future__ import annotations
 import gc
 import logging
 import random
-import statistics
 import time
-from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
-from runtime.bench_workload import Request, make_requests
+from runtime.bench.timing import Row, RunResult, StepClock, run_engine, summarize
+from runtime.bench.workload import Request, make_requests
 
 log = logging.getLogger(__name__)
 
@@ -58,66 +57,6 @@ class BenchConfig:
         return self.requests_per_level or max(4, 2 * concurrency)
 
 
-@dataclass
-class RunResult:
-    """One run of one scenario."""
-
-    ttft: list[float]
-    tpot: list[float]
-    output_tokens: int
-    wall: float
-    slots_allocated: float = 0.0  # summed over engine steps (time-weighted by step), or static totals
-    slots_used: float = 0.0
-    spec_drafted: float = 0.0
-    spec_accepted: float = 0.0
-
-
-@dataclass
-class Row:
-    scenario: str
-    model: str
-    concurrency: int
-    requests: int
-    ttft_ms_p50: float | None
-    tpot_ms_p50: float | None
-    output_tok_s: float
-    kv_waste_pct: float | None
-    spec_acceptance_pct: float | None
-    runs: int = 1
-    extra: dict = field(default_factory=dict)
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def summarize(scenario: str, model: str, concurrency: int, runs: list[RunResult]) -> Row:
-    """Per run: medians over requests; across runs: the median of each run-level number."""
-    def med(f):
-        vals = [v for v in (f(r) for r in runs) if v is not None]
-        return _median(vals)
-    waste = med(lambda r: 100.0 * (1 - r.slots_used / r.slots_allocated) if r.slots_allocated else None)
-    accept = med(lambda r: 100.0 * r.spec_accepted / r.spec_drafted if r.spec_drafted else None)
-    ttft, tpot = med(lambda r: _median(r.ttft)), med(lambda r: _median(r.tpot))
-    return Row(scenario, model, concurrency, len(runs[0].ttft),
-               None if ttft is None else 1000 * ttft, None if tpot is None else 1000 * tpot,
-               med(lambda r: r.output_tokens / r.wall), waste, accept, len(runs))
-
-
-# --- transformers generate ----------------------------------------------------------------------
-class _Clock:
-    """A generate() streamer that only timestamps: put() is called with the prompt, then once per step."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
 def run_hf(model, requests: list[Request], batch_size: int, pad_id: int) -> RunResult:
     """Static batches of ``batch_size`` (1: sequential). A batch decodes until its longest request is done."""
     import torch
@@ -132,12 +71,12 @@ def run_hf(model, requests: list[Request], batch_size: int, pad_id: int) -> RunR
         for row, r in enumerate(batch):  # left padding, as decoder-only batched generation needs
             ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
             mask[row, width - len(r.prompt_ids):] = 1
-        clock = _Clock()
+        clock = StepClock()
         t0 = time.perf_counter()
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                            streamer=clock, pad_token_id=pad_id)
-        steps = clock.times[1:]  # [0] is the prompt being handed over
+        steps = clock.steps
         assert len(steps) >= new, (len(steps), new)
         for r in batch:
             res.ttft.append(steps[0] - t0)
@@ -149,57 +88,6 @@ def run_hf(model, requests: list[Request], batch_size: int, pad_id: int) -> RunR
             res.slots_allocated += len(batch) * (width + t)
             res.slots_used += sum(len(r.prompt_ids) + min(t, r.output_len) for r in batch)
     res.wall = time.perf_counter() - start
-    return res
-
-
-# --- this engine --------------------------------------------------------------------------------
-def _stat(stats: dict, *names: str) -> float:
-    for n in names:
-        if stats.get(n) is not None:
-            return float(stats[n])
-    return 0.0
-
-
-def run_engine(engine, requests: list[Request], concurrency: int, static: bool, sampling_params_cls) -> RunResult:
-    """Keep ``concurrency`` requests in flight (continuous), or admit a new batch only when the last one is done."""
-    res = RunResult([], [], 0, 0.0)
-    before = engine.stats()
-    todo = deque(requests)
-    inflight: dict[str, dict] = {}
-    counter = 0
-    start = time.perf_counter()
-    while todo or inflight:
-        if not static or not inflight:
-            while todo and len(inflight) < concurrency:
-                r = todo.popleft()
-                rid = f"bench-{counter}"
-                counter += 1
-                params = sampling_params_cls(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-                engine.add_request(list(r.prompt_ids), params, request_id=rid)
-                inflight[rid] = {"arrival": time.perf_counter(), "first": None, "last": None, "n": 0}
-        outputs = engine.step()
-        now = time.perf_counter()
-        s = engine.stats()
-        res.slots_allocated += _stat(s, "token_slots_allocated", "slots_allocated")
-        res.slots_used += _stat(s, "token_slots_used", "slots_used")
-        for out in outputs:
-            rec = inflight.get(out.request_id)
-            if rec is None:
-                continue
-            if out.new_token_ids and rec["first"] is None:
-                rec["first"] = now
-            rec["n"], rec["last"] = out.completion_tokens, now
-            if out.finished:
-                del inflight[out.request_id]
-                res.ttft.append(rec["first"] - rec["arrival"])
-                if rec["n"] > 1:
-                    res.tpot.append((rec["last"] - rec["first"]) / (rec["n"] - 1))
-                res.output_tokens += rec["n"]
-    res.wall = time.perf_counter() - start
-    after = engine.stats()
-    for key, names in (("spec_drafted", ("spec_drafted", "spec_drafted_tokens")),
-                       ("spec_accepted", ("spec_accepted", "spec_accepted_tokens"))):
-        setattr(res, key, _stat(after, *names) - _stat(before, *names))
     return res
 
 
@@ -229,72 +117,89 @@ def _check_servable(*specs: str) -> None:
         model_config(open_checkpoint(spec))
 
 
-def run_bench(cfg: BenchConfig, progress=None) -> dict:
-    """Run every scenario; returns ``{"config": ..., "rows": [...]}`` (rows as dicts)."""
-    say = progress or (lambda msg: log.info(msg))
-    base = cfg.baseline or cfg.model
-    _check_servable(cfg.model, base)  # minutes of transformers rows are not spent on a model the engine refuses
-    top = max(cfg.concurrency)
-    rows: list[Row] = []
-    rng = random.Random(cfg.seed)
-    _, _, SamplingParams = _engine_classes()
+class _Runs:
+    """One run_bench call: its config, the seeded prompt offsets, the progress callback, the rows so far."""
 
-    def workload(tokenizer, c: int, grounded: bool = False) -> list[Request]:
+    def __init__(self, cfg: BenchConfig, say):
+        self.cfg, self.say = cfg, say
+        self.rows: list[Row] = []
+        self.rng = random.Random(cfg.seed)
+        self.sampling_params = _engine_classes()[2]
+
+    def workload(self, tokenizer, c: int, grounded: bool = False) -> list[Request]:
         # a fresh offset per run: no two runs share prompts, so prefix caching cannot skip work across rows
+        cfg = self.cfg
         return make_requests(tokenizer, cfg.num_requests(c), cfg.prompt_len, cfg.output_len, cfg.jitter,
-                             seed=rng.randrange(1 << 30), grounded=grounded)
+                             seed=self.rng.randrange(1 << 30), grounded=grounded)
 
-    def engine_rows(engine, model: str, label: str, static_too: bool, grounded: bool = False) -> None:
-        warm = workload(engine.tokenizer, 1)[:1]
-        run_engine(engine, [replace(warm[0], output_len=2)], 1, False, SamplingParams)  # first-call costs out
+    def engine_rows(self, engine, model: str, label: str, static_too: bool, grounded: bool = False) -> None:
+        cfg, sp = self.cfg, self.sampling_params
+        warm = self.workload(engine.tokenizer, 1)[:1]
+        run_engine(engine, [replace(warm[0], output_len=2)], 1, False, sp)  # first-call costs out
         for c in cfg.concurrency:
             for static in ((True, False) if static_too else (False,)):
                 name = f"{label}-{'static' if static else 'continuous'}"
-                say(f"{name} c={c}")
-                runs = [run_engine(engine, workload(engine.tokenizer, c, grounded), c, static, SamplingParams)
+                self.say(f"{name} c={c}")
+                runs = [run_engine(engine, self.workload(engine.tokenizer, c, grounded), c, static, sp)
                         for _ in range(cfg.repeats)]
-                rows.append(summarize(name, model, c, runs))
+                self.rows.append(summarize(name, model, c, runs))
 
-    if cfg.hf:
+    def hf_rows(self, base: str) -> None:
+        """transformers generate on the fp model: sequential, then a static batch per level above 1."""
         from compress.models import load_model
 
+        cfg = self.cfg
         model, tok, _ = load_model(base)
         model = model.float().eval()
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        warm = workload(tok, 1)[:1]
+        warm = self.workload(tok, 1)[:1]
         run_hf(model, [replace(warm[0], output_len=2)], 1, pad)
-        say("hf-generate batch 1")
-        rows.append(summarize("hf-generate-seq", base, 1,
-                              [run_hf(model, workload(tok, 1), 1, pad) for _ in range(cfg.repeats)]))
+        self.say("hf-generate batch 1")
+        self.rows.append(summarize("hf-generate-seq", base, 1,
+                                   [run_hf(model, self.workload(tok, 1), 1, pad) for _ in range(cfg.repeats)]))
         for c in cfg.concurrency:
             if c > 1:
-                say(f"hf-generate static batch {c}")
-                rows.append(summarize("hf-generate-static", base, c,
-                                      [run_hf(model, workload(tok, c), c, pad) for _ in range(cfg.repeats)]))
+                self.say(f"hf-generate static batch {c}")
+                self.rows.append(summarize("hf-generate-static", base, c,
+                                           [run_hf(model, self.workload(tok, c), c, pad) for _ in range(cfg.repeats)]))
         del model
         gc.collect()
 
-    if cfg.baseline and cfg.baseline != cfg.model:
-        engine = _build_engine(cfg, base, top, None)
-        engine_rows(engine, base, "engine-fp32", static_too=False)
+    def model_rows(self) -> dict:
+        """The engine on the model under test: static and continuous, then grounded with and without n-gram
+        speculation; returns the last engine's stats."""
+        cfg, top = self.cfg, max(self.cfg.concurrency)
+        engine = _build_engine(cfg, cfg.model, top, None, cfg.dtype, cfg.lm_head, cfg.kv_cache_dtype)
+        tag = {"float32": "", "bfloat16": "-bf16", "float16": "-fp16"}[engine.dtype]
+        tag += "" if cfg.kv_cache_dtype == "auto" else f"-kv{cfg.kv_cache_dtype}"
+        self.engine_rows(engine, cfg.model, f"engine{tag}", static_too=True)
+        if cfg.speculative:
+            self.engine_rows(engine, cfg.model, f"engine{tag}-grounded", static_too=False, grounded=True)
+            del engine
+            gc.collect()
+            engine = _build_engine(cfg, cfg.model, top, "ngram", cfg.dtype, cfg.lm_head, cfg.kv_cache_dtype)
+            self.engine_rows(engine, cfg.model, f"engine{tag}-ngram-spec-grounded", static_too=False, grounded=True)
+        stats = engine.stats()
         del engine
         gc.collect()
+        return stats
 
-    engine = _build_engine(cfg, cfg.model, top, None, cfg.dtype, cfg.lm_head, cfg.kv_cache_dtype)
-    tag = {"float32": "", "bfloat16": "-bf16", "float16": "-fp16"}[engine.dtype]
-    tag += "" if cfg.kv_cache_dtype == "auto" else f"-kv{cfg.kv_cache_dtype}"
-    engine_rows(engine, cfg.model, f"engine{tag}", static_too=True)
-    if cfg.speculative:
-        engine_rows(engine, cfg.model, f"engine{tag}-grounded", static_too=False, grounded=True)
+
+def run_bench(cfg: BenchConfig, progress=None) -> dict:
+    """Run every scenario; returns ``{"config": ..., "rows": [...]}`` (rows as dicts)."""
+    base = cfg.baseline or cfg.model
+    _check_servable(cfg.model, base)  # minutes of transformers rows are not spent on a model the engine refuses
+    runs = _Runs(cfg, progress or (lambda msg: log.info(msg)))
+    if cfg.hf:
+        runs.hf_rows(base)
+    if cfg.baseline and cfg.baseline != cfg.model:
+        engine = _build_engine(cfg, base, max(cfg.concurrency), None)
+        runs.engine_rows(engine, base, "engine-fp32", static_too=False)
         del engine
         gc.collect()
-        engine = _build_engine(cfg, cfg.model, top, "ngram", cfg.dtype, cfg.lm_head, cfg.kv_cache_dtype)
-        engine_rows(engine, cfg.model, f"engine{tag}-ngram-spec-grounded", static_too=False, grounded=True)
-    stats = engine.stats()
-    del engine
-    gc.collect()
+    stats = runs.model_rows()
     return {"config": {**asdict(cfg), "concurrency": list(cfg.concurrency)}, "engine_stats_at_end": stats,
-            "rows": [asdict(r) for r in rows]}
+            "rows": [asdict(r) for r in runs.rows]}
 
 
 COLUMNS = [("scenario", "scenario", "{}"), ("model", "model", "{}"), ("concurrency", "conc", "{}"),

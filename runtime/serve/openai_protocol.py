@@ -1,10 +1,10 @@
-"""OpenAI-compatible request bodies for runtime/server.py (the responses are in runtime/openai_responses.py).
+"""OpenAI-compatible request bodies for the server (the responses are in runtime/serve/openai_responses.py).
 
 Requests are pydantic models (FastAPI turns a wrong type into a 422 naming the field); the OpenAI
 sampling fields (penalties, ``logit_bias``, ``n``, logprobs) plus vLLM's extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``seed``, ``stop_token_ids``, ``guided_*``,
 ``structured_outputs``) map onto the engine's ``SamplingParams``; ``response_format`` and ``tools`` onto a
-grammar (runtime/guided.py, runtime/tool_calls.py). A field we do not implement is refused
+grammar (runtime/guided.py, runtime/serve/tool_calls.py). A field we do not implement is refused
 with 400 naming it (``unknown_fields``), never dropped, so a client never silently gets something it
 did not ask for; the only fields accepted and ignored are the bookkeeping ones in ``IGNORED_FIELDS``.
 """

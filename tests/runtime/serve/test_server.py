@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from live_server import Served  # noqa: F401 (re-exported to the other server tests)
+from live_server import Served, char_tokenizer, model_dir  # noqa: F401 (re-exported to the other server tests)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 openai = pytest.importorskip("openai")
@@ -15,43 +15,6 @@ httpx = pytest.importorskip("httpx")
 
 KEY = "test-key"
 MAX_MODEL_LEN = 128
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def char_tokenizer():
-    """One token per ASCII character plus specials, built offline: every sampled token decodes to a whole
-    character, so streamed text can be compared with transformers' decode exactly."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
-    chars = ["\n"] + [chr(c) for c in range(32, 127)]
-    tk = Tokenizer(models.WordLevel({c: i for i, c in enumerate(specials + chars)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tk.add_special_tokens([AddedToken(t, special=True) for t in specials])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=specials[0], eos_token=specials[2],
-                                  pad_token=specials[0], unk_token=specials[3])
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = char_tokenizer()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256, initializer_range=0.2,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 def make_engine(model_dir, max_num_seqs=8):
     from runtime.config import EngineConfig
     from runtime.engine import Engine

@@ -1,4 +1,4 @@
-"""OpenAI response shapes for runtime/openai_routes.py: whole responses, streamed chunks, usage and the two
+"""OpenAI response shapes for runtime/serve/openai_routes.py: whole responses, streamed chunks, usage and the two
 logprobs objects (legacy completions and chat)."""
 from __future__ import annotations
 

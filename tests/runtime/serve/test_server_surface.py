@@ -45,11 +45,11 @@ def test_tokenize_detokenize_and_tokenizer_info(served):
 def test_serve_command_passes_engine_knobs(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
-    import runtime.server
+    import runtime.serve.server
     from cli import main
 
     seen = {}
-    monkeypatch.setattr(runtime.server, "serve", lambda model, **kw: seen.update(model=model, **kw))
+    monkeypatch.setattr(runtime.serve.server, "serve", lambda model, **kw: seen.update(model=model, **kw))
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages }}")
     args = ["serve", "m", "--served-model-name", "a", "--served-model-name", "b", "--kv-cache-memory", "64MiB",
@@ -68,7 +68,7 @@ def test_serve_command_passes_engine_knobs(monkeypatch, tmp_path):
 
 
 def test_chat_template_option(tmp_path):
-    from runtime.server import read_chat_template
+    from runtime.serve.server import read_chat_template
 
     (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
     assert read_chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0]['content'] }}"

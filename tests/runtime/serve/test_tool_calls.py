@@ -10,7 +10,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
-from runtime.tool_calls import FORMATS, parse  # noqa: E402
+from runtime.serve.tool_calls import FORMATS, parse  # noqa: E402
 from test_server import KEY, Served, model_dir  # noqa: E402,F401 (fixtures)
 
 HERMES_TEMPLATE = (

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from runtime.metrics import RequestTiming, ServerMetrics
+from runtime.serve.metrics import RequestTiming, ServerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """One OpenAI request's life on the engine: its prompts x ``n`` choices submitted, their outputs gathered per
 choice (text, logprobs, finish), or streamed as they come; a vanished client aborts every choice.
 
-The routes in runtime/server.py decide what a request means (prompt, params, response shape); this module
+The routes in runtime/serve/server.py decide what a request means (prompt, params, response shape); this module
 only moves engine outputs to them, so the two endpoints share one path for ``n``, echo, logprobs and streaming.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from runtime.engine_loop import EngineLoop, QueueFull
 from runtime.guided import Guide, Guides, GuideSpec
-from runtime.openai_protocol import APIError
-from runtime.openai_responses import usage
 from runtime.sequence import SamplingParams, TokenLogprob
+from runtime.serve.engine_loop import EngineLoop, QueueFull
+from runtime.serve.openai_protocol import APIError
+from runtime.serve.openai_responses import usage
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from runtime.bench import BenchConfig, RunResult, format_table, summarize
-from runtime.bench_workload import INSTRUCTION, make_requests
-from test_server import char_tokenizer, model_dir  # noqa: F401  (a fixture, shared)
+from runtime.bench.scenarios import BenchConfig, format_table
+from runtime.bench.timing import RunResult, summarize
+from runtime.bench.workload import INSTRUCTION, make_requests
+from live_server import char_tokenizer, model_dir  # noqa: F401  (a fixture, shared)
 
 
 @pytest.mark.parametrize("grounded", [False, True])
@@ -74,7 +75,7 @@ def test_run_bench_tiny_end_to_end(model_dir, tmp_path):  # noqa: F811
 def test_a_model_nothing_serves_is_refused_before_any_row(tmp_path, monkeypatch):
     import json as _json
 
-    from runtime import bench
+    from runtime.bench import scenarios as bench
 
     import torch
     from safetensors.torch import save_file
