@@ -43,13 +43,32 @@ def weight_mean(weights: list[Tensor], scheme: Scheme) -> Tensor:
     return wg.reshape(w.shape[0], -1)[:, :w.shape[1]].mean(dim=0)
 
 
+def output_error(forward: Callable[[list[Tensor]], Tensor], reference: Tensor) -> Callable[[list[Tensor]], float]:
+    """The MSE of ``forward(weights)`` against ``reference`` (a module's output, e.g. attention's)."""
+    return lambda ws: F.mse_loss(forward(ws).float(), reference.float()).item()
+
+
+def linear_error(x: Tensor, weights: list[Tensor]) -> Callable[[list[Tensor]], float]:
+    """The MSE of the linears' concatenated outputs ``x @ w.T`` (``x [n, in]``) for candidate weights against the
+    given ones: ``sum_i |x dW_i^T|^2 / (n out)``, through the Gram matrix ``x^T x`` where ``in < n`` (the same
+    number, ``sum_i tr(dW_i G dW_i^T)``, at ``in / n`` of the products: 4.6x fewer for 4,096 rows of an
+    896-wide input), else on ``x`` itself."""
+    x = x.float()
+    n, width = x.shape
+    out = sum(w.shape[0] for w in weights)
+    base = [w.float() for w in weights]
+    if width < n:
+        gram = x.T @ x
+        return lambda ws: sum(((d := w - w0) @ gram * d).sum().item() for w, w0 in zip(ws, base)) / (n * out)
+    return lambda ws: sum((x @ (w - w0).T).pow(2).sum().item() for w, w0 in zip(ws, base)) / (n * out)
+
+
 @torch.inference_mode()
-def search_scale(x_mean: Tensor, weights: list[Tensor], scheme: Scheme,
-                 forward: Callable[[list[Tensor]], Tensor], reference: Tensor, grid: int = 20,
-                 duo: bool = True) -> ScaleResult:
+def search_scale(x_mean: Tensor, weights: list[Tensor], scheme: Scheme, error: Callable[[list[Tensor]], float],
+                 grid: int = 20, duo: bool = True) -> ScaleResult:
     """Grid over r in [0, 1) of ``s = x_mean ** r`` (with ``duo``: ``x_mean ** r / w_mean ** (1 - r)``, as
-    AutoAWQ and llm-compressor do), minimising the MSE of ``forward`` with fake-quantized scaled weights
-    against ``reference``. r = 0 without duo is plain RTN, always a candidate."""
+    AutoAWQ and llm-compressor do), minimising the output ``error`` of the fake-quantized scaled weights
+    (:func:`linear_error`, :func:`output_error`). r = 0 without duo is plain RTN, always a candidate."""
     x_mean = x_mean.float().clamp(min=1e-4)
     w_mean = weight_mean(weights, scheme).clamp(min=1e-4) if duo else None
     best = None
@@ -63,7 +82,7 @@ def search_scale(x_mean: Tensor, weights: list[Tensor], scheme: Scheme,
         for s in candidates:
             s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1
             ws = [fake_quantize(w.float() * s, scheme) / s for w in weights]
-            loss = F.mse_loss(forward(ws).float(), reference.float()).item()
+            loss = error(ws)
             if base is None:
                 base = loss
             if best is None or loss < best[0]:
@@ -247,12 +266,13 @@ def _observe(block: nn.Module, linears: dict[str, nn.Linear], bmap: BlockMap, in
     return sampler
 
 
-def _group_forward(block: nn.Module, sm: Smooth, sampler: _Sampler) -> Callable[[list[Tensor]], Tensor]:
-    """The output a smoothing scale is judged by, as a function of the group's weights: the linears' own
-    concatenated outputs, or the ``inspect`` module's (e.g. attention) on whole sampled batches."""
-    x = sampler.x(sm.linears[0])
+@torch.inference_mode()
+def _group_error(block: nn.Module, sm: Smooth, sampler: _Sampler, weights: list[Tensor]
+                 ) -> Callable[[list[Tensor]], float]:
+    """The output error a smoothing scale is judged by, as a function of the group's weights: the linears' own
+    concatenated outputs on the sampled rows, or the ``inspect`` module's (e.g. attention) on whole sampled batches."""
     if sm.inspect is None:
-        return lambda ws: torch.cat([x @ w.T for w in ws], dim=-1)
+        return linear_error(sampler.x(sm.linears[0]), weights)
     inspect = block.get_submodule(sm.inspect)
     names = [f"{n[len(sm.inspect) + 1:]}.weight" for n in sm.linears]
     batches = sampler.module_inputs[sm.inspect]
@@ -263,7 +283,7 @@ def _group_forward(block: nn.Module, sm: Smooth, sampler: _Sampler) -> Callable[
             out = functional_call(inspect, dict(zip(names, ws)), (h,), kw)
             outs.append(out[0] if isinstance(out, tuple) else out)
         return torch.cat(outs)
-    return forward
+    return output_error(forward, forward([w.float() for w in weights]))
 
 
 def _scale_prev(prev: nn.Module, s: Tensor, norm_offset: float) -> None:
@@ -326,10 +346,8 @@ def _smooth(block: nn.Module, sm: Smooth, linears: dict[str, nn.Linear], sampler
     mods = [linears[n] for n in sm.linears]
     if any(m.in_features != prev.weight.shape[0] for m in mods):  # e.g. v_proj -> o_proj under GQA
         return None
-    forward = _group_forward(block, sm, sampler)
-    with torch.inference_mode():
-        ref = forward([m.weight.data.float() for m in mods])
-    res = search_scale(sampler.x_mean(sm.linears[0]), [m.weight.data for m in mods], cfg.scheme, forward, ref,
+    weights = [m.weight.data for m in mods]
+    res = search_scale(sampler.x_mean(sm.linears[0]), weights, cfg.scheme, _group_error(block, sm, sampler, weights),
                        cfg.awq.grid, cfg.awq.duo_scaling)
     s = res.scales
     snapshot = None if judge is None else _Snapshot.take(prev, mods, sm.linears, sampler, hessians)
@@ -384,8 +402,7 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
         h_dn.add(inter_all)
     rows = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[:opts.search_tokens]
     x, inter = x[rows], inter_all[rows]  # a fixed sample of the routed tokens for the searches
-    ref = inter @ w_down.T
-    res = search_scale(inter_all.abs().mean(0), [w_down], scheme, lambda ws: inter @ ws[0].T, ref, opts.grid,
+    res = search_scale(inter_all.abs().mean(0), [w_down], scheme, linear_error(inter, [w_down]), opts.grid,
                        opts.duo_scaling)
     s = res.scales  # [I]: up rows / s, down columns * s leaves the fp expert unchanged
     n_i = w_down.shape[1]

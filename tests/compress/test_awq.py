@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from compress import awq, rtn
@@ -12,13 +13,23 @@ def test_awq_beats_rtn_on_outlier_input_channels():
     w = torch.randn(d_out, d_in, generator=g) * 0.05
     scheme = Scheme(4, 64, False)
     ref = x @ w.T
-    res = awq.search_scale(x.abs().mean(0), [w], scheme, lambda ws: x @ ws[0].T, ref, grid=20)
+    res = awq.search_scale(x.abs().mean(0), [w], scheme, awq.linear_error(x, [w]), grid=20)
     assert res.ratio > 0 and res.loss < res.base_loss
     # the scales fold away exactly: (w * s) quantized, inputs divided by s
     wq = rtn.quantize_weight(w * res.scales, scheme).dequantize()
     err_awq = ((x / res.scales) @ wq.T - ref).pow(2).mean()
     err_rtn = (x @ rtn.quantize_weight(w, scheme).dequantize().T - ref).pow(2).mean()
     assert err_awq < 0.8 * err_rtn
+
+
+@pytest.mark.parametrize("rows", [48, 300])  # fewer rows than inputs: on x itself; more: through the Gram matrix
+def test_linear_error_is_the_mse_of_the_concatenated_outputs(rows):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 96, generator=g)
+    ws = [torch.randn(16, 96, generator=g), torch.randn(8, 96, generator=g)]
+    cand = [w + 0.01 * torch.randn(w.shape, generator=g) for w in ws]
+    want = torch.nn.functional.mse_loss(torch.cat([x @ w.T for w in cand], -1), torch.cat([x @ w.T for w in ws], -1))
+    assert awq.linear_error(x, ws)(cand) == pytest.approx(want.item(), rel=1e-4)
 
 
 def test_clip_search_never_hurts_the_group_error():
