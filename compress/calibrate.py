@@ -48,6 +48,14 @@ class BlockInputs:
     hidden: list[Tensor]
     kwargs: list[dict] = field(default_factory=list)
     autocast: torch.dtype | None = None  # e.g. bfloat16: run blocks in reduced precision (stats stay fp32)
+    # every block's own kwargs per batch, as the model passes them (captured once): the attention mask and rotary
+    # tables differ between a model's sliding and global layers (Gemma 2/3); None: every block takes ``kwargs``
+    layer_kwargs: list[list[dict]] | None = None
+
+    def next(self, outputs: list[Tensor], i: int) -> "BlockInputs":
+        """Block ``i``'s inputs: the previous block's ``outputs`` with block ``i``'s own kwargs."""
+        kwargs = self.layer_kwargs[i] if self.layer_kwargs is not None and i < len(self.layer_kwargs) else self.kwargs
+        return BlockInputs(outputs, kwargs, self.autocast, self.layer_kwargs)
 
     @property
     def tokens(self) -> int:
@@ -120,28 +128,31 @@ def _drop_cache_kwargs(kwargs: dict) -> dict:
 
 @torch.inference_mode()
 def capture_inputs(model: nn.Module, batches: list[Tensor], offload: Path | None = None) -> BlockInputs:
-    """Hidden states and kwargs entering the first decoder block, for each batch of token ids (the hidden states
-    written to disk under ``offload`` as they come, when given)."""
+    """Hidden states entering the first decoder block, and the kwargs the model hands each block, for each batch of
+    token ids (the hidden states written to disk under ``offload`` as they come, when given). The blocks do not run:
+    each one's forward is replaced, for the pass, by one that records its inputs and hands the hidden states on."""
     layers = decoder_layers(model)
-    first = layers[0]
-    captured = BlockInputs([] if offload is None else DiskTensors(offload), [])
+    captured = BlockInputs([] if offload is None else DiskTensors(offload), [], layer_kwargs=[[] for _ in layers])
 
-    def hook(module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        captured.hidden.append(hidden.detach())
-        captured.kwargs.append(_drop_cache_kwargs(dict(kwargs)))
+    def recorder(i: int):
+        def forward(*args, **kwargs):
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            if i == 0:
+                captured.hidden.append(hidden.detach())
+            captured.layer_kwargs[i].append(_drop_cache_kwargs(kwargs))
+            return hidden
+        return forward
 
-    parent = next(m for m in model.modules() if any(c is layers for c in m.children()))
-    attr = next(k for k, c in parent.named_children() if c is layers)
-    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
-    setattr(parent, attr, nn.ModuleList([first]))  # run embeddings + one block, not the whole stack
+    for i, layer in enumerate(layers):
+        layer.forward = recorder(i)  # an instance attribute: nn.Module.__call__ finds it before the class's
     try:
         base = backbone(model)
         for ids in batches:
             base(input_ids=ids, use_cache=False)
     finally:
-        setattr(parent, attr, layers)
-        handle.remove()
+        for layer in layers:
+            del layer.forward
+    captured.kwargs = captured.layer_kwargs[0]
     return captured
 
 
@@ -270,6 +281,6 @@ def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
             outputs = _forward_quantized(block, inputs)
         store.release(i, block)
         check_finite(outputs, f"after block {i}")
-        inputs = BlockInputs(outputs, inputs.kwargs, autocast)
+        inputs = inputs.next(outputs, i + 1)
         if progress:
             progress(i + 1, len(layers))

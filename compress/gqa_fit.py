@@ -126,7 +126,7 @@ def fit_to_teacher(student: nn.Module, teacher: nn.Module, batches: list[Tensor]
                    dtype: str = "bfloat16") -> FitResult:
     """Fit each of ``student``'s attention modules (``attn_name`` in every decoder block) to the
     corresponding module of ``teacher`` on the teacher's own hidden states for ``batches`` of token ids."""
-    from compress.calibrate import BlockInputs, capture_inputs, check_finite, decoder_layers
+    from compress.calibrate import capture_inputs, check_finite, decoder_layers
 
     s_layers, t_layers = decoder_layers(student), decoder_layers(teacher)
     if len(s_layers) != len(t_layers):
@@ -150,7 +150,7 @@ def fit_to_teacher(student: nn.Module, teacher: nn.Module, batches: list[Tensor]
         io = AttentionIO(_plain(io.inputs), _plain(io.outputs), _plain(io.kwargs))
         check_finite(outputs, f"after teacher block {i}")
         result.errors.append(fit_attention(s_block.get_submodule(attn_name), io, steps, lr, seed + i, dtype))
-        inputs = BlockInputs(outputs, inputs.kwargs)
+        inputs = inputs.next(outputs, i + 1)
         if progress:
             progress(i + 1, len(s_layers), *result.errors[-1])
     result.seconds = time.perf_counter() - start
