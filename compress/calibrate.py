@@ -185,6 +185,9 @@ class BlockStore:
     def capture(self, model: nn.Module, batches: list[Tensor]) -> BlockInputs:
         return capture_inputs(model, batches, self.offload)
 
+    def finished(self, outputs: "BlockInputs") -> None:
+        """The last block's outputs (a streamed run keeps them for the head's calibration)."""
+
 
 IN_MEMORY = BlockStore()
 
@@ -284,3 +287,4 @@ def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
         inputs = inputs.next(outputs, i + 1)
         if progress:
             progress(i + 1, len(layers))
+    store.finished(inputs)

@@ -31,7 +31,6 @@ class Residual:
     reads: tuple[tuple[str, tuple[str, ...]], ...]
     writes: tuple[str, ...]
     values: tuple[str, str] = ("self_attn.v_proj.weight", "self_attn.o_proj.weight")
-    final_norm: str = "model.norm"  # relative to the model, read by the output head
 
 
 @dataclass(frozen=True)
@@ -130,6 +129,7 @@ class Family:
     norms: str = "pre"  # "pre": norms before attention and MLP (Llama); "sandwich": also after each (Gemma 2/3);
     #                     "post": after each only (OLMo 2)
     norm_offset: float = 0.0  # RMSNorm multiplies by (offset + w) (Gemma: 1)
+    final_norm: str = "model.norm"  # the norm after the last block, whose output the head reads (relative to the model)
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     qk_norm: str = ""  # RMSNorm on q and k before RoPE: "head" per head (Qwen3, Gemma 3), "proj" whole projection
     fused_proj: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)

@@ -15,10 +15,12 @@ from pathlib import Path
 from compress.config import QuantizeConfig
 from compress.calibrate import BlockStore
 from compress.embed_head import head_scheme, plan_outer
+from compress.families import FAMILIES
 from compress.memory import check, plan_offload
 from compress.pipeline import Progress, QuantizeReport, TrainProgress, quantize_model
 
 STREAM_METHODS = ("rtn", "nf4", "gptq", "awq")
+SEQUENTIAL_METHODS = ("gptq", "awq")  # calibrated block by block: a streamed run ends with the last block's outputs
 
 
 @dataclass
@@ -126,9 +128,27 @@ def check_outer(src, cfg: QuantizeConfig, trust_remote_code: bool) -> str | None
 
     config = source_config(src, trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if head_scheme(plan_outer(cfg, bool(getattr(text, "tie_word_embeddings", False))), cfg) is not None:
-        return "head_method: gptq calibrates the head on the final hidden states of the whole quantized body"
+    if head_scheme(plan_outer(cfg, bool(getattr(text, "tie_word_embeddings", False))), cfg) is None:
+        return None
+    if cfg.method not in SEQUENTIAL_METHODS:  # a streamed run of these never computes the blocks' outputs
+        return (f"head_method: gptq calibrates the head on the quantized body's final hidden states, which a "
+                f"streamed {cfg.method} run does not compute (gptq and awq runs do)")
+    if getattr(text, "model_type", None) not in FAMILIES:
+        return "head_method: gptq on a streamed run needs the family's final norm (compress/families.py)"
     return None
+
+
+def _calibrated_head(model, cfg: QuantizeConfig, scheme, batches, progress, report: QuantizeReport, **streamed):
+    """The head's GPTQ codes on the quantized body's final hidden states (``streamed``: the last block's outputs and
+    the head's weight, compress/head_gptq.py calibrate_head), its record in the report."""
+    from compress.head_gptq import calibrate_head
+
+    t0 = time.perf_counter()
+    res = calibrate_head(model, cfg, scheme, batches, progress, **streamed)
+    seconds = time.perf_counter() - t0
+    report.seconds += seconds  # the summary's quantization time includes the head's pass
+    report.notes["head_calibration"] = {**res.record(), "seconds": seconds}
+    return res.weight
 
 
 def stream_folder(src, trust_remote_code: bool) -> Path:
@@ -185,7 +205,12 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
     with atomic_dir(out, overwrite=overwrite) as tmp:
         store = StreamedBlocks(model, reader, tmp, _offload_dir(out) if offloaded else None, bool(src.gguf_file))
         report = quantize_model(model, cfg, batches, progress, store=store)
-        store.finish(plan)
+        scheme, head_codes = head_scheme(plan, cfg), None
+        if scheme is not None:
+            head_codes = _calibrated_head(model, cfg, scheme, batches, progress, report, outputs=store.final.hidden,
+                                          weight=store.head_weight())
+        store.final = None
+        store.finish(plan, head_codes)
         empty_outer(model, plan)  # the skeleton now describes what was written
         write_side_files(model, folder, tokenizer, tmp,
                          _quantization_config(model, cfg, calibration, recipe, src, report))
@@ -199,7 +224,6 @@ def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_rem
                max_memory, offload):
     from compress.checkpoint import save_quantized
     from compress.embed_head import quantize_outer
-    from compress.head_gptq import calibrate_head
     from compress.models import load_model
     from compress.shards import ShardReader
     from compress.stream import outer_dtypes, skeleton, tied
@@ -223,11 +247,7 @@ def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_rem
     plan, head_codes = plan_outer(cfg, tied(model)), None
     scheme = head_scheme(plan, cfg)
     if scheme is not None:  # on the quantized body's final hidden states
-        t0 = time.perf_counter()
-        res = calibrate_head(model, cfg, scheme, batches, progress)
-        seconds = time.perf_counter() - t0
-        report.seconds += seconds  # the summary's quantization time includes the head's pass
-        report.notes["head_calibration"], head_codes = {**res.record(), "seconds": seconds}, res.weight
+        head_codes = _calibrated_head(model, cfg, scheme, batches, progress, report)
     quantize_outer(model, plan, head_codes)
     save_quantized(model, tokenizer, out, _quantization_config(model, cfg, calibration, recipe, src, report),
                    overwrite=overwrite, dtypes=dtypes)

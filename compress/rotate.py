@@ -102,7 +102,7 @@ def residual_map(model: nn.Module) -> tuple[BlockMap, Residual]:
     block = decoder_layers(model)[0]
     names = [n for norm, readers in res.reads for n in (norm, *readers)] + [*res.writes, *res.values]
     missing = [n for n in names if not _has(block, n)]
-    missing += [n for n in (res.final_norm,) if not _has(model, n + ".weight")]
+    missing += [n for n in (FAMILIES[mt].final_norm,) if not _has(model, n + ".weight")]
     if missing:
         raise ValueError(f"rotate: model_type {mt!r}: expected weights {missing} are missing, so the rotation "
                          "cannot be folded; the map in compress/families.py does not fit this model")
@@ -169,7 +169,7 @@ def rotate_head(model: nn.Module, res: Residual, rot: Rotation) -> bool:
     """Fold the final norm into the output head and rotate it (``W diag(w) Q``); returns True when a tied head
     had to be untied (the final norm's weight is not uniform). Call before :func:`rotate_embeddings`."""
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    norm = _param(model, res.final_norm + ".weight")
+    norm = _param(model, FAMILIES[model.config.model_type].final_norm + ".weight")
     tied = head.weight is emb.weight
     scale = rot.norm_offset + norm.data.double()
     if tied and torch.all(scale == scale[0]):  # a uniform norm weight commutes with Q: the tie survives

@@ -24,8 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from compress.calibrate import BlockInputs, BlockStore, capture_inputs, decoder_layers
-from compress.embed_head import OuterPlan, quantize_table
+from compress.embed_head import OuterPlan, quantize_table, table_of
 from compress.memory import trim
+from compress.quant import QuantizedWeight
 from compress.shards import Lazy, ShardReader, consolidate, write_shard
 
 DTYPE = torch.float32  # blocks are materialized (and the other tensors written) as the in-memory path loads them
@@ -128,6 +129,7 @@ class StreamedBlocks(BlockStore):
         self.parts: list[Path] = []
         self.stats = StreamStats()
         self._t0 = 0.0
+        self.final: BlockInputs | None = None  # the last block's outputs, for a calibrated head
         self.embed = _param_name(model, model.get_input_embeddings())
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.head = None if tied(model) else _param_name(model, head)
@@ -180,23 +182,34 @@ class StreamedBlocks(BlockStore):
             if pad is not None:
                 emb.padding_idx = pad
 
-    def _quantized_table(self, name: str, src: str, scheme) -> dict[str, Tensor]:
+    def finished(self, outputs: BlockInputs) -> None:
+        self.final = outputs
+
+    def head_weight(self) -> Tensor:
+        """The head's fp32 weight (the tied table's on a tied model), read whole: GPTQ rounds it at once."""
+        name = self.embed if self.head is None else self.head
+        return self.reader.get(self.source.get(name, name)).float()
+
+    def _quantized_table(self, name: str, src: str, scheme, codes: QuantizedWeight | None = None
+                         ) -> dict[str, Tensor]:
         """``name``'s table quantized from the source a slab of rows at a time (only the packed result is held; a
-        head's bias is written as any other tensor)."""
+        head's bias is written as any other tensor), or packed from ``codes`` already rounded (a calibrated head)."""
         rows, cols = self.reader.entries[src].shape
         prefix = name.rsplit(".", 1)[0]
-        table = quantize_table(self.reader.slabs(src, DTYPE), rows, cols, scheme)
+        table = table_of(codes) if codes is not None else quantize_table(self.reader.slabs(src, DTYPE), rows, cols,
+                                                                          scheme)
         return {f"{prefix}.{k}": v for k, v in table.state_dict().items()}
 
     def _write(self, tensors: dict[str, Tensor | Lazy]) -> None:
         self.parts.append(self.out / f".part-{len(self.parts):05d}.safetensors")
         write_shard(self.parts[-1], tensors)
 
-    def finish(self, plan: OuterPlan | None = None) -> None:
-        """Everything outside the blocks (the embedding and head quantized slab by slab as ``plan`` says), then the
-        parts regrouped into the checkpoint's shards."""
+    def finish(self, plan: OuterPlan | None = None, head_codes: QuantizedWeight | None = None) -> None:
+        """Everything outside the blocks (the embedding and head quantized slab by slab as ``plan`` says; the head,
+        or the tied table, from ``head_codes`` when calibrated), then the parts regrouped into the checkpoint's shards."""
         tensors: dict[str, Tensor | Lazy] = {}
         quantized = {} if plan is None else {self.embed: plan.embed, self.head: plan.head}
+        codes = {self.embed if self.head is None else self.head: head_codes}
         for k, v in self.model.state_dict().items():
             if k.startswith(f"{self.prefix}.") or (k == "lm_head.weight" and tied(self.model)):
                 continue
@@ -204,7 +217,7 @@ class StreamedBlocks(BlockStore):
             if src not in self.reader:
                 raise ValueError(f"{self.reader.folder}: no tensor {src} in the checkpoint")
             if quantized.get(k) is not None:
-                tensors.update(self._quantized_table(k, src, quantized[k]))
+                tensors.update(self._quantized_table(k, src, quantized[k], codes.get(k)))
                 continue
             e, dt = self.reader.entries[src], self.dtypes.get(k, self.reader.entries[src].dtype)
             tensors[k] = Lazy(dt, e.shape, lambda s=src, dt=dt: self.reader.slabs(s, dt)) if v.is_meta else v.to(dt)

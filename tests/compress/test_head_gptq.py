@@ -116,3 +116,23 @@ def test_a_tied_table_is_calibrated_once_for_both(tmp_path, smol_tokenizer, cali
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert head.qweight.data_ptr() == emb.qweight.data_ptr()
     assert emb.embed_scale == fp.get_input_embeddings().embed_scale is not None
+
+
+@pytest.mark.parametrize("family,recipe,embed", [("llama", "gptq4", "none"), ("gemma", "awq4", "int4"),
+                                                 ("gemma2", "gptq4", "int8")])
+def test_a_calibrated_head_streams_as_it_quantizes_in_memory(tmp_path, smol_tokenizer, calib_text, family, recipe,
+                                                               embed):
+    """gptq and awq runs end with the last block's outputs: the streamed head (untied Llama; tied Gemma, its lookups
+    scaled; Gemma 2, whose final norm only the family table names) is calibrated on them after the final norm, and
+    the checkpoint is the in-memory one."""
+    src = _save(tmp_path, family, smol_tokenizer)
+    cfg = load_recipe(recipe).replace(calib=str(calib_text), nsamples=8, seqlen=32, batch_size=2, embed=embed,
+                                      head="int4" if embed == "none" else embed, head_method="gptq")
+    streamed = quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True)
+    whole = quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False)
+    assert streamed.streamed and not whole.streamed
+    a, b = _tensors(streamed.out), _tensors(whole.out)
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    qc = json.loads((Path(streamed.out) / "config.json").read_text())["quantization_config"]
+    assert qc["head_calibration"]["method"] in ("gptq", "rtn")
