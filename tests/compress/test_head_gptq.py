@@ -13,7 +13,7 @@ from compress.head_gptq import HeadHessians, head_hessians, quantize_head
 from compress.hessian import Hessian
 from compress.job import quantize_to_folder
 from compress.rtn import quantize_weight as rtn_weight
-from test_stream import _save, _tensors
+from test_stream import _save, _tensors, streamed_and_in_memory
 from tiny_models import tiny_model
 
 
@@ -128,11 +128,6 @@ def test_a_calibrated_head_streams_as_it_quantizes_in_memory(tmp_path, smol_toke
     src = _save(tmp_path, family, smol_tokenizer)
     cfg = load_recipe(recipe).replace(calib=str(calib_text), nsamples=8, seqlen=32, batch_size=2, embed=embed,
                                       head="int4" if embed == "none" else embed, head_method="gptq")
-    streamed = quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True)
-    whole = quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False)
-    assert streamed.streamed and not whole.streamed
-    a, b = _tensors(streamed.out), _tensors(whole.out)
-    assert a.keys() == b.keys()
-    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    streamed, _ = streamed_and_in_memory(src, cfg, tmp_path)
     qc = json.loads((Path(streamed.out) / "config.json").read_text())["quantization_config"]
     assert qc["head_calibration"]["method"] in ("gptq", "rtn")

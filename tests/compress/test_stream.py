@@ -26,18 +26,24 @@ def _save(tmp_path, family, tokenizer, **kw) -> Path:
     return path
 
 
-# sequential: false (gptq on the fp model's activations) is block by block as well: it streams
-@pytest.mark.parametrize("family,recipe,extra", [("llama", "rtn4", {}), ("qwen2", "gptq4", {}), ("gemma", "awq4", {}),
-                                                 ("mixtral", "gptq4", {}), ("llama", "gptq4", {"sequential": False})])
-def test_streamed_equals_in_memory(tmp_path, smol_tokenizer, calib_text, family, recipe, extra):
-    src = _save(tmp_path, family, smol_tokenizer)
-    cfg = load_recipe(recipe).replace(calib=str(calib_text), nsamples=4, seqlen=32, batch_size=2, **extra)
+def streamed_and_in_memory(src: Path, cfg, tmp_path: Path):
+    """Both runs of ``cfg`` on ``src``; asserts they wrote the very same tensors."""
     streamed = quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True)
     whole = quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False)
     assert streamed.streamed and not whole.streamed
     a, b = _tensors(streamed.out), _tensors(whole.out)
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    return streamed, whole
+
+
+# sequential: false (gptq on the fp model's activations) is block by block as well: it streams
+@pytest.mark.parametrize("family,recipe,extra", [("llama", "rtn4", {}), ("qwen2", "gptq4", {}), ("gemma", "awq4", {}),
+                                                 ("mixtral", "gptq4", {}), ("llama", "gptq4", {"sequential": False})])
+def test_streamed_equals_in_memory(tmp_path, smol_tokenizer, calib_text, family, recipe, extra):
+    src = _save(tmp_path, family, smol_tokenizer)
+    cfg = load_recipe(recipe).replace(calib=str(calib_text), nsamples=4, seqlen=32, batch_size=2, **extra)
+    streamed, _ = streamed_and_in_memory(src, cfg, tmp_path)
     assert sorted(p.name for p in Path(streamed.out).glob("*.safetensors")) == ["model.safetensors"]
 
 
