@@ -126,7 +126,7 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
 
     from compress import api
     from compress.config import load_recipe
-    from compress.models import resolve
+    from compress.format.models import resolve
 
     overrides = {k: v for k, v in dict(calib=calib, nsamples=nsamples, seqlen=seqlen, bits=bits, group_size=group_size,
                                        sym=sym, act_order=act_order, seed=seed, kv_heads=kv_heads, kv_init=kv_init,
@@ -410,7 +410,7 @@ def generate_cmd(model_spec, prompt, max_new_tokens, dtype, kv_cache_dtype):
 def serve(model_spec, host, port, api_key, max_queue, served_model_names, chat_template, kv_cache_memory,
           tool_call_parser, **engine):
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
-    from compress.memory import parse_size
+    from compress.format.host import parse_size
     from runtime.server import serve as run_server
 
     if kv_cache_memory is not None:

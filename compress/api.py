@@ -23,8 +23,8 @@ def quantize(model: str, recipe: str = "awq4", out: str | Path | None = None, *,
     YAML path) into the folder ``out`` [default: out/MODEL-RECIPE]; returns compress.job.QuantizeSummary."""
     from compress.config import FIELDS, load_recipe
     from compress.job import quantize_to_folder
-    from compress.memory import parse_size
-    from compress.models import resolve
+    from compress.format.host import parse_size
+    from compress.format.models import resolve
 
     cfg = load_recipe(recipe)
     unknown = sorted(set(overrides) - FIELDS)

@@ -20,9 +20,9 @@ from torch.func import functional_call
 from compress import fallback, gptq, guided, rtn
 from compress.calibrate import BlockInputs, Run, autocast_of, layers_name, run_sequential, swap_linear, target_linears
 from compress.config import QuantizeConfig
-from compress.mappings import BlockMap, Smooth, block_map
+from compress.format.mappings import BlockMap, Smooth, block_map
 from compress.moe import ExpertResult, intermediate
-from compress.quant import QuantizedWeight, Scheme, fake_quantize, fake_quantize_groups, group_index
+from compress.format.quant import QuantizedWeight, Scheme, fake_quantize, fake_quantize_groups, group_index
 
 log = logging.getLogger(__name__)
 

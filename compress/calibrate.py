@@ -20,12 +20,12 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from compress.checkpoint import set_module
+from compress.format.checkpoint import set_module
 from compress.errors import during
-from compress.mappings import KEEP_FP
+from compress.format.mappings import KEEP_FP
 from compress.offload import DiskTensors, empty_like
-from compress.qlinear import QuantLinear
-from compress.quant import QuantizedWeight
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import QuantizedWeight
 
 log = logging.getLogger(__name__)
 

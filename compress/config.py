@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from compress.quant import Scheme
+from compress.format.quant import Scheme
 
 METHODS = ("rtn", "gptq", "awq", "nf4", "qat")  # compress/pipeline.py METHODS runs each
 QAT_INITS = ("rtn", "awq", "gptq")  # compress/qat.py: the PTQ result training starts from
@@ -131,7 +131,7 @@ class QuantizeConfig:
     bits: int = 4
     group_size: int = 128
     sym: bool = False
-    zero_floor: int = 0  # 1: asymmetric zero points >= 1, so `export --format gptq` writes v1 (compress/quant.py)
+    zero_floor: int = 0  # 1: asymmetric zero points >= 1, so `export --format gptq` writes v1 (compress/format/quant.py)
     description: str = ""
     # calibration
     calib: str = "wiki"

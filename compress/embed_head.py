@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from compress.checkpoint import set_module
-from compress.qlinear import QuantEmbedding, QuantLinear
-from compress.quant import QuantizedWeight, Scheme, compute_qparams, pack, quantize
+from compress.format.checkpoint import set_module
+from compress.format.qlinear import QuantEmbedding, QuantLinear
+from compress.format.quant import QuantizedWeight, Scheme, compute_qparams, pack, quantize
 
 # per row symmetric int8 (llama.cpp's Q8_0 width, and what the runtime's int8 packed kernel takes); int4 in groups of
 # 32 with zero points (Q4_1's grid); the same as the runtime's load-time head rounding (runtime/kernels/qmatmul.py)

@@ -20,7 +20,7 @@ from compress.config import GPTQOptions, QuantizeConfig
 from compress.hessian import Hessian, InputOwners
 from compress.moe import ExpertResult, intermediate
 from compress.offload import empty_like
-from compress.quant import QuantizedWeight, Scheme, find_params, mse_params, weighted_range_params
+from compress.format.quant import QuantizedWeight, Scheme, find_params, mse_params, weighted_range_params
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,9 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, opts: GPTQOptions = GP
                     weighted_range: bool = False, keep_latent: bool = False) -> GPTQResult:
     """GPTQ of ``W: [out, in]`` against the Hessian ``H: [in, in]``; ragged last groups allowed.
     With ``opts.mse`` each group's grid is the clipped range that minimises the Hessian-diagonal-weighted
-    rounding error (:func:`compress.quant.mse_params`) instead of its full min/max; with ``weighted_range``
+    rounding error (:func:`compress.format.quant.mse_params`) instead of its full min/max; with ``weighted_range``
     the range's two ends move independently and the error is the squared output error under the Hessian's
-    diagonal (:func:`compress.quant.weighted_range_params`)."""
+    diagonal (:func:`compress.format.quant.weighted_range_params`)."""
     if scheme.format != "int":
         raise ValueError(f"GPTQ quantizes to integer grids; format={scheme.format!r} is not supported (use nf4 recipe)")
     W = W.detach().float().clone()

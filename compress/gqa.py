@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from compress.config import KV_INITS, UPTRAIN_SCOPES
-from compress.families import AttnLayout, require
+from compress.format.families import AttnLayout, require
 from compress.gqa_fit import FitProgress, FitResult
 from compress.train import TrainConfig, TrainProgress, TrainResult, distill
 
@@ -264,9 +264,9 @@ def convert_to_folder(model_spec: str, kv_heads: int, out: str, uptrain_steps: i
     (to measure what the conversion alone costs; quantize with ``kv_heads`` in a recipe to combine)."""
     from pathlib import Path
 
-    from compress.checkpoint import atomic_dir
+    from compress.format.checkpoint import atomic_dir
     from compress.data import calibration_batches
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     if Path(out).exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass overwrite=True to replace it")

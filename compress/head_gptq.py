@@ -20,7 +20,7 @@ from compress import fallback, gptq, rtn
 from compress.calibrate import Progress, autocast_of, backbone
 from compress.config import GPTQOptions, QuantizeConfig
 from compress.hessian import Hessian
-from compress.quant import QuantizedWeight, Scheme
+from compress.format.quant import QuantizedWeight, Scheme
 
 log = logging.getLogger(__name__)
 

@@ -9,50 +9,15 @@ of their vocabulary), which grows with the vocabulary, not the depth.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from torch import nn
 
+from compress.format.host import available_bytes, gib
+
 # python + torch + transformers + tokenizer and what a layer pass leaves resident: 0.7-0.9 GB measured before the
 # fallback's held-out forwards; SmolLM2 awq4 streamed then peaked at 1,855 MiB where 900 MiB here estimated 1,810
 BASE_BYTES = 1 << 30
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30,
-          "T": 1 << 40, "TB": 1 << 40, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``"8GB"``, ``"512 MiB"``, ``"1.5G"`` -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"cannot read memory size {text!r}; write e.g. 8GB, 512MB or 1.5GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def available_bytes() -> int | None:
-    """MemAvailable of this machine (Linux), or None where /proc/meminfo is missing."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-
-
-def trim() -> None:
-    """Give freed memory back to the OS. glibc keeps large freed chunks in its heap (its mmap threshold grows
-    with the sizes freed), so a loop that allocates and frees big tensors (a block at a time, a weight at a
-    time) otherwise creeps up in resident memory; elsewhere this does nothing."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass
 
 
 def _numel(module: nn.Module) -> int:
@@ -151,12 +116,12 @@ TOKENIZER_BYTES_PER_TOKEN = 1024  # a folder's tokenizer: ~150 B per token measu
 
 def outer_bytes(model: nn.Module, cfg, streamed: bool) -> int:
     """Beyond the weights counted elsewhere, what the embedding and an untied head cost while quantizing: streamed,
-    a source slab as read, its fp32 copy and the previous fp32 slab still referenced (compress/shards.py SLAB_BYTES,
+    a source slab as read, its fp32 copy and the previous fp32 slab still referenced (compress/format/shards.py SLAB_BYTES,
     16-bit sources); in memory, the tables' 16-bit source pages while loading and their 16-bit copies while saving;
     both, the packed codes of quantized tables with one chunk's temporaries (compress/embed_head.py), and the
     tokenizer of the vocabulary."""
     from compress.embed_head import CHUNK_VALUES, head_scheme, plan_outer
-    from compress.shards import SLAB_BYTES
+    from compress.format.shards import SLAB_BYTES
 
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     vocab, hidden, tied = text.vocab_size, text.hidden_size, bool(getattr(text, "tie_word_embeddings", False))

@@ -2,9 +2,9 @@
 it during calibration, by the method's own expert quantizer (``compress.gptq.quantize_expert``,
 ``compress.awq.quantize_expert``: the same option groups as the method's dense path), or from its
 weights alone (RTN/NF4), then each layer's experts are packed into one
-:class:`compress.moe_packed.PackedMoEExperts`. An expert routed fewer than ``moe_min_tokens`` tokens
+:class:`compress.format.moe_packed.PackedMoEExperts`. An expert routed fewer than ``moe_min_tokens`` tokens
 is RTN-quantized with a logged warning: never left in fp, never fed an empty Hessian. The router
-stays in fp. Which module holds the experts is data (compress/families.py), keyed by model_type.
+stays in fp. Which module holds the experts is data (compress/format/families.py), keyed by model_type.
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from torch import Tensor, nn
 
 from compress import rtn
 from compress.calibrate import BlockInputs, kept_fp
-from compress.checkpoint import moe_entries, set_module  # noqa: F401  (moe_entries: the checkpoint's record)
+from compress.format.checkpoint import moe_entries, set_module  # noqa: F401  (moe_entries: the checkpoint's record)
 from compress.config import QuantizeConfig
-from compress.families import FAMILIES, ExpertLayout, supported
-from compress.moe_packed import PackedLinears, PackedMoEExperts
-from compress.quant import QuantizedWeight, Scheme
+from compress.format.families import FAMILIES, ExpertLayout, supported
+from compress.format.moe_packed import PackedLinears, PackedMoEExperts
+from compress.format.quant import QuantizedWeight, Scheme
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def expert_layout(model: nn.Module, cfg) -> ExpertLayout | None:
         fused = [n for n, p in decoder_layers(model)[0].named_parameters() if p.ndim == 3]
         if fused:
             raise ValueError(f"model_type {mt!r} keeps fused 3D expert weights ({', '.join(fused)}) but "
-                             f"compress/families.py gives it no expert layout; supported MoE types: {', '.join(supported('moe'))}")
+                             f"compress/format/families.py gives it no expert layout; supported MoE types: {', '.join(supported('moe'))}")
         if cfg.moe_min_tokens is not None:
             raise ValueError(f"moe_min_tokens={cfg.moe_min_tokens} applies to mixture-of-experts models, and "
                              f"{mt!r} is dense: remove it from the recipe")

@@ -1,13 +1,14 @@
 """NF4 (Dettmers et al., 2023): 4-bit codes index the NormalFloat codebook, scaled by each block's
-absmax. Data-free; the codebook and its rounding live with the other primitives in compress/quant.py."""
+absmax. Data-free; the codebook and its rounding live with the other primitives in compress/format/quant.py."""
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-from compress import quant, rtn
+from compress import rtn
+from compress.format import quant
 from compress.calibrate import Run
 from compress.config import QuantizeConfig
-from compress.quant import QuantizedWeight, Scheme, compute_qparams
+from compress.format.quant import QuantizedWeight, Scheme, compute_qparams
 
 
 def quantize_weight(w: Tensor, block_size: int = 64) -> QuantizedWeight:

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from compress import awq, gptq, quant, selfdata
+from compress import awq, gptq, selfdata
+from compress.format import quant
 from compress.calibrate import Progress, QuantizeReport, Run, decoder_layers, layers_name, target_linears
-from compress.checkpoint import set_module
+from compress.format.checkpoint import set_module
 from compress.config import QuantizeConfig
-from compress.qlinear import QuantLinear
-from compress.quant import MIN_SCALE, QuantizedWeight, Scheme, compute_qparams, group_index
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import MIN_SCALE, QuantizedWeight, Scheme, compute_qparams, group_index
 from compress.train import TrainConfig, TrainProgress, TrainResult, distill
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def per_column(t: Tensor, in_features: int, scheme: Scheme) -> Tensor:
 class _FakeQuant(torch.autograd.Function):
     """``(clamp(round(w / s) + z, 0, maxq) - z) * s`` on grouped ``w [out, G, g]``, ``s``/``z`` ``[out, G, 1]``,
     with LSQ's straight-through gradients in closed form: nothing but the inputs is saved, and the
-    forward uses exactly compress.quant's operations (so it equals quantize + dequantize bit for bit).
+    forward uses exactly compress.format.quant's operations (so it equals quantize + dequantize bit for bit).
     With ``unit`` ``[out, G, 1]`` the first input is the latent in grid steps and ``w = latent * unit`` is
     recomputed in the backward rather than kept."""
 

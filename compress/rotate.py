@@ -10,7 +10,7 @@ round-to-nearest grids quantize well.
    and o_proj's columns (attention mixes tokens, never channels, so ``H`` passes through it).
 
 The result is a plain model of its family (every export and the runtime load it unchanged). Which weights
-read and write the stream is data (``Residual`` in compress/mappings.py). An online Hadamard on down_proj's
+read and write the stream is data (``Residual`` in compress/format/mappings.py). An online Hadamard on down_proj's
 input is deliberately not offered: it does not fold, so the runtime, the ONNX graph and llama.cpp would all
 need an extra op, and the model would no longer be a plain model of its family.
 
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from compress.hadamard import random_hadamard
-from compress.families import FAMILIES, BlockMap, Residual, require
+from compress.format.families import FAMILIES, BlockMap, Residual, require
 
 log = logging.getLogger(__name__)
 ROTATIONS = ("none", "hadamard")
@@ -97,7 +97,7 @@ def residual_map(model: nn.Module) -> tuple[BlockMap, Residual]:
 
     mt = model.config.model_type
     bmap = FAMILIES[mt].smooth if mt in FAMILIES else None
-    why = bmap.no_rotation if bmap is not None else "compress/families.py has no map of its residual stream"
+    why = bmap.no_rotation if bmap is not None else "compress/format/families.py has no map of its residual stream"
     res = require(mt, "rotate", f"{why}; use rotate: none").smooth.residual
     block = decoder_layers(model)[0]
     names = [n for norm, readers in res.reads for n in (norm, *readers)] + [*res.writes, *res.values]
@@ -105,7 +105,7 @@ def residual_map(model: nn.Module) -> tuple[BlockMap, Residual]:
     missing += [n for n in (res.final_norm,) if not _has(model, n + ".weight")]
     if missing:
         raise ValueError(f"rotate: model_type {mt!r}: expected weights {missing} are missing, so the rotation "
-                         "cannot be folded; the map in compress/families.py does not fit this model")
+                         "cannot be folded; the map in compress/format/families.py does not fit this model")
     biased = [norm for norm, _ in res.reads if _has(block, norm.removesuffix("weight") + "bias")]
     if biased:
         raise ValueError(f"rotate: model_type {mt!r}: norms {biased} have a bias (LayerNorm, not RMSNorm); "

@@ -7,19 +7,7 @@ from torch import Tensor, nn
 
 from compress.calibrate import Run, layers_name, run_blocks, swap_linear, target_linears
 from compress.config import QuantizeConfig
-from compress import quant
-from compress.quant import QuantizedWeight, Scheme, compute_qparams, weighted_range_params
-
-
-def quantize_weight(w: Tensor, scheme: Scheme, energy: Tensor | None = None) -> QuantizedWeight:
-    """RTN of ``w: [out, in]`` onto the scheme's grid (integers, or the NF4 codebook) with min/max (asymmetric)
-    or absmax (symmetric) qparams per group; given each input channel's activation ``energy: [in]``, each
-    group's range minimises the energy-weighted error instead (:func:`compress.quant.weighted_range_params`)."""
-    if energy is None:
-        scale, zero = compute_qparams(w, scheme)
-    else:
-        scale, zero = weighted_range_params(w, scheme, energy)
-    return QuantizedWeight(quant.quantize(w, scale, zero, scheme), scale, zero, scheme)
+from compress.format.quant import QuantizedWeight, quantize_weight
 
 
 # -- the adapter ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from compress.calibrate import Progress
-from compress.models import cache_kwarg
+from compress.format.models import cache_kwarg
 
 
 def start_token(config) -> int:

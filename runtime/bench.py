@@ -256,7 +256,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
                 rows.append(summarize(name, model, c, runs))
 
     if cfg.hf:
-        from compress.models import load_model
+        from compress.format.models import load_model
 
         model, tok, _ = load_model(base)
         model = model.float().eval()

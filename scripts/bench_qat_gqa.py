@@ -125,7 +125,7 @@ def main() -> None:
 
     from compress import gqa
     from compress.data import load_texts
-    from compress.models import load_model
+    from compress.format.models import load_model
     from eval.report import evaluate_model
 
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]

@@ -130,7 +130,7 @@ def quantize_tiny(family: str, recipe: str, folder=None, **overrides):
     (compress.pipeline), saved into ``folder`` as `compress quantize` saves it (with a tokenizer) when given."""
     import copy
 
-    from compress.checkpoint import build_quantization_config, save_quantized
+    from compress.format.checkpoint import build_quantization_config, save_quantized
     from compress.config import load_recipe
     from compress.pipeline import quantize_model
 

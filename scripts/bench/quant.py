@@ -40,7 +40,7 @@ def eval_windows(tokenizer, source: str, seqlen: int, n: int) -> torch.Tensor:
 def prepare(args, base: dict | None) -> tuple[Path, Path, dict]:
     """The fp copy and the token windows under ``--runs`` (made once), and the baseline's row (``base`` if scored)."""
     from compress.data import calibration_batches
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     fp_dir, tok_path = Path(args.runs) / "fp", Path(args.runs) / "tokens.pt"
     model, tok, _ = load_model(args.model)
@@ -69,7 +69,7 @@ def tasks(model, tok, args) -> dict:
 
 
 def ours(recipe: str, tokens: dict, args) -> dict:
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     out, js = Path(args.runs) / f"q-{recipe}", Path(args.runs) / f"q-{recipe}.json"
     cmd = [str(ROOT / ".venv/bin/compress"), "quantize", "--recipe", recipe, "--model", args.model, "--out", str(out),

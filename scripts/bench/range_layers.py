@@ -1,6 +1,6 @@
 """Layer-level comparison of how each method picks its grid, on SmolLM2's real activations, with and without
 the Hadamard rotation: the output error ``tr(D H D^T)`` (``D`` = dequantized - original weight, ``H`` the layer's
-input Hessian from 8 calibration windows) of RTN, RTN with the activation-weighted range (compress.quant.
+input Hessian from 8 calibration windows) of RTN, RTN with the activation-weighted range (compress.format.quant.
 weighted_range_params), GPTQ, GPTQ with the mse grid (the recipes' choice) and GPTQ with the weighted range.
 
   .venv/bin/python scripts/bench/range_layers.py   # needs runs/bench/fp and tokens.pt (scripts/bench/quant.py)
@@ -52,8 +52,8 @@ def errors(w, h, scheme) -> dict:
 
 
 def main():
-    from compress.models import load_model
-    from compress.quant import Scheme
+    from compress.format.models import load_model
+    from compress.format.quant import Scheme
     from compress.rotate import rotate_model
 
     model, _, _ = load_model(str(ROOT / "runs/bench/fp"))

@@ -1,7 +1,7 @@
 import torch
 
 from compress import awq, rtn
-from compress.quant import Scheme
+from compress.format.quant import Scheme
 
 
 def test_awq_beats_rtn_on_outlier_input_channels():
@@ -38,7 +38,7 @@ def test_clip_search_never_hurts_the_group_error():
 def test_clip_search_picks_each_groups_best_shrink_by_its_error_on_the_samples():
     """The search scores candidates through each group's Gram matrix; the choice is the brute-force one: per
     (row, group), the shrink factor whose clipped group has the least error over the sample rows."""
-    from compress.quant import fake_quantize_groups
+    from compress.format.quant import fake_quantize_groups
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(256, 64, generator=g) * torch.linspace(0.2, 3.0, 64)

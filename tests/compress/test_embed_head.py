@@ -8,7 +8,7 @@ import torch
 from compress.config import QuantizeConfig, load_recipe
 from compress.embed_head import OUTER_SCHEMES, outer_scheme, plan_outer, quantize_table, row_slabs
 from compress.job import quantize_to_folder
-from compress.quant import compute_qparams, dequantize, quantize
+from compress.format.quant import compute_qparams, dequantize, quantize
 from test_stream import _save, _tensors
 from tiny_models import tiny_model
 
@@ -86,8 +86,8 @@ def test_both_paths_write_the_same_quantized_tables(tmp_path, smol_tokenizer, ca
 @pytest.mark.parametrize("family,embed,head", [("llama", "int8", "int8"), ("gemma", "int4", "none"),
                                                ("qwen2", "int4", "int8")])
 def test_quantized_tables_load_back(tmp_path, smol_tokenizer, family, embed, head):
-    from compress.checkpoint import load_quantized
-    from compress.qlinear import QuantEmbedding, QuantLinear
+    from compress.format.checkpoint import load_quantized
+    from compress.format.qlinear import QuantEmbedding, QuantLinear
 
     src = _save(tmp_path, family, smol_tokenizer)
     cfg = load_recipe("rtn4").replace(embed=embed, head=head)
@@ -101,7 +101,7 @@ def test_quantized_tables_load_back(tmp_path, smol_tokenizer, family, embed, hea
     ref = tiny_model(family, vocab=len(smol_tokenizer))
     with torch.no_grad():
         ref.load_state_dict({k: v for k, v in model.state_dict().items() if k in ref.state_dict()}, strict=False)
-        from compress.checkpoint import set_module
+        from compress.format.checkpoint import set_module
         for n, m in list(model.named_modules()):
             if isinstance(m, QuantLinear) and n != "lm_head":
                 set_module(ref, n, m)
@@ -119,7 +119,7 @@ def test_a_gguf_source_keeps_its_outer_tensors_at_16_bits(tmp_path, monkeypatch)
     pytest.importorskip("gguf")
     from compress.exporters.dispatch import export
     from compress.exporters.gguf import GGUFOptions
-    from compress.quant import Scheme
+    from compress.format.quant import Scheme
 
     from exporters.gguf_models import build
 

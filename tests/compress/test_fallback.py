@@ -13,7 +13,7 @@ from tiny_models import tiny_model
 from compress import fallback, gptq, rtn
 from compress.config import QuantizeConfig
 from compress.pipeline import quantize_model
-from compress.quant import Scheme
+from compress.format.quant import Scheme
 
 SCHEME = Scheme(bits=4, group_size=32, sym=False)
 

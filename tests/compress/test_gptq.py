@@ -3,7 +3,7 @@ import torch
 
 from compress import gptq, rtn
 from compress.config import GPTQOptions
-from compress.quant import Scheme
+from compress.format.quant import Scheme
 
 
 def _layer(seed=0, n=2048, d_in=96, d_out=48):
@@ -60,7 +60,7 @@ def test_nf4_is_refused():
 
 @pytest.mark.parametrize("scheme", [Scheme(4, 32, False), Scheme(3, 40, True)])
 def test_weighted_range_picks_each_static_group_by_the_hessian_diagonal(scheme):
-    from compress.quant import weighted_range_params
+    from compress.format.quant import weighted_range_params
 
     x, w, h = _layer(seed=2)
     res = gptq.quantize_weight(w, h.H, scheme, GPTQOptions(static_groups=True), weighted_range=True)

@@ -92,7 +92,7 @@ def test_bfloat16_forwards_stay_close_to_float32_and_positive_definite():
 
 @pytest.mark.parametrize("family, guided", [("llama", False), ("llama", True), ("gemma", True), ("phi3", False)])
 def test_fp_gptq_end_to_end_saved_and_reloaded(family, guided, tmp_path):
-    from compress.checkpoint import build_quantization_config, load_quantized, save_quantized
+    from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 
     cfg = _cfg(act_order=True, static_groups=True, mse=True, guided=guided)
     base = tiny_model(family, layers=2)

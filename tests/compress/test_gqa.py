@@ -5,11 +5,11 @@ import torch
 from tiny_models import FAMILIES as TINY, MOE_FAMILIES, tiny_config
 
 from compress import gqa
-from compress.checkpoint import build_quantization_config, load_quantized, save_quantized
+from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.config import QuantizeConfig
-from compress.families import supports
+from compress.format.families import supports
 from compress.pipeline import quantize_model
-from compress.qlinear import QuantLinear
+from compress.format.qlinear import QuantLinear
 from compress.train import evaluate_kl
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "granite")
@@ -304,7 +304,7 @@ def test_cli_kv_heads(tiny_dir, tmp_path):
                "--out", tmp_path / "q")
     assert res.exit_code == 0, res.output
     assert "kv heads: 2 -> 1, KV cache 256 -> 128 bytes/token (fp16)" in res.output
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     model, _, _ = load_model(str(tmp_path / "q"))
     assert model.config.num_key_value_heads == 1
@@ -325,7 +325,7 @@ def test_convert_to_folder_writes_a_plain_transformers_model(tiny_dir, calib_tex
 
 @pytest.mark.slow
 def test_smollm2_three_kv_heads_to_one():
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     model, tok, _ = load_model("smollm2-135m")
     assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (9, 3)
@@ -349,7 +349,7 @@ def test_smollm2_three_kv_heads_to_one():
 @pytest.mark.slow
 def test_smollm2_pca_merge_beats_mean_pooling():
     from compress.data import calibration_batches
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     model, tok, _ = load_model("smollm2-135m")
     ids = tok("The capital of France is Paris, and the capital of Italy is", return_tensors="pt").input_ids

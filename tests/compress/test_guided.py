@@ -89,7 +89,7 @@ def test_guided_is_refused_where_no_gptq_hessian_reads_it():
                                             ("phi3", "guided-gptq4"), ("qwen2", "guided-gptq3"),
                                             ("mistral", "guided-qat4")])
 def test_guided_recipe_end_to_end_saved_and_reloaded(family, recipe, tmp_path):
-    from compress.checkpoint import build_quantization_config, load_quantized, save_quantized
+    from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
     from compress.config import load_recipe
 
     cfg = load_recipe(recipe).replace(nsamples=4, seqlen=12, batch_size=2, group_size=32, steps=2)

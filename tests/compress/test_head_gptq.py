@@ -98,7 +98,7 @@ def test_an_untied_head_is_calibrated_in_memory(tmp_path, smol_tokenizer, calib_
 
 def test_a_tied_table_is_calibrated_once_for_both(tmp_path, smol_tokenizer, calib_text):
     """Gemma (tied, its lookups scaled by sqrt(hidden)): the one table rounded for the head, read by both."""
-    from compress.checkpoint import load_quantized
+    from compress.format.checkpoint import load_quantized
 
     src = _save(tmp_path, "gemma", smol_tokenizer)
     cfg = load_recipe("rtn4").replace(calib=str(calib_text), nsamples=8, seqlen=32, batch_size=2, embed="int4",

@@ -7,13 +7,13 @@ from tiny_models import MOE_FAMILIES, NUM_EXPERTS, tiny_config, tiny_model
 
 from compress import moe, rtn
 from compress.calibrate import decoder_layers
-from compress.checkpoint import build_quantization_config, load_quantized, save_quantized
+from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.config import QuantizeConfig
-from compress.families import FAMILIES
-from compress.moe_packed import PackedLinears, PackedMoEExperts, packed_moe_forward
+from compress.format.families import FAMILIES
+from compress.format.moe_packed import PackedLinears, PackedMoEExperts, packed_moe_forward
 from compress.pipeline import quantize_model
-from compress.qlinear import QuantLinear
-from compress.quant import Scheme
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import Scheme
 
 E = NUM_EXPERTS
 

@@ -11,7 +11,7 @@ from compress.config import load_recipe
 from compress.job import quantize_to_folder
 from compress.memory import plan, plan_offload
 from compress.offload import DiskTensors
-from compress.shards import shard_files
+from compress.format.shards import shard_files
 from tiny_models import tiny_model
 
 

@@ -79,7 +79,7 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
     **{f: {m: "AWQ's searches only" for m in ("rtn", "nf4", "gptq")} for f in AWQ - {"rounding"}},
     "rounding": {m: REFUSED for m in ("rtn", "nf4", "gptq", "qat")},
     **{f: {m: "QAT only" for m in PTQ} for f in QAT},
-    # read through the scheme by compress/quant.py (and qat's learned zeros), but it changes only groups that
+    # read through the scheme by compress/format/quant.py (and qat's learned zeros), but it changes only groups that
     # min/max rounding gives zero 0, which these random models lack: tests/compress/test_quant.py tests it
     "zero_floor": {**{m: "changes no group of these random models" for m in ("rtn", "gptq", "awq", "qat")},
                    "nf4": REFUSED},

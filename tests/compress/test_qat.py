@@ -5,11 +5,11 @@ import torch
 from tiny_models import FAMILIES, tiny_model
 
 from compress import qat
-from compress.checkpoint import build_quantization_config, load_quantized, quantized_modules, save_quantized
+from compress.format.checkpoint import build_quantization_config, load_quantized, quantized_modules, save_quantized
 from compress.config import QuantizeConfig
 from compress.pipeline import quantize_model
-from compress.qlinear import QuantLinear
-from compress.quant import Scheme, compute_qparams, dequantize, quantize
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import Scheme, compute_qparams, dequantize, quantize
 from compress.train import cosine_factor, evaluate_kl
 
 
@@ -52,7 +52,7 @@ def test_ste_gradients_reach_weights_scales_and_zeros(learn_zero, lr_in_steps):
 
 def _reference_fake_weight(f: qat.FakeQuantLinear):
     """The same fake quantization written with plain autograd and round_ste, on [out, in]."""
-    from compress.quant import group_index
+    from compress.format.quant import group_index
 
     s, z = f.qparams()
     gi = group_index(f.in_features, f.scheme)

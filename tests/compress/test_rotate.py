@@ -5,8 +5,8 @@ import torch
 from tiny_models import FAMILIES, MOE_FAMILIES, tiny_model, loud_channels
 
 from compress.calibrate import decoder_layers
-from compress.families import supports
-from compress.mappings import block_map
+from compress.format.families import supports
+from compress.format.mappings import block_map
 from compress.rotate import residual_map, rotate_model
 
 
@@ -95,7 +95,7 @@ def _batches(n=4, seqlen=32, seed=0):
 @pytest.mark.parametrize("recipe", ["rot-awq-gptq4", "rot-qat4", pytest.param("rot-gptq4", marks=pytest.mark.slow),
                                     pytest.param("rot-gptq3", marks=pytest.mark.slow)])
 def test_recipes_end_to_end_on_a_tiny_model(recipe, tmp_path):
-    from compress.checkpoint import build_quantization_config, load_quantized, save_quantized
+    from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
     from compress.config import load_recipe
     from compress.pipeline import quantize_model
 

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from compress.config import load_recipe
 from compress.job import quantize_to_folder
-from compress.shards import INDEX, shard_files
+from compress.format.shards import INDEX, shard_files
 from peak import reset_peak
 from tiny_models import tiny_model
 
@@ -84,7 +84,7 @@ def test_outer_tensors_keep_the_source_dtype(tmp_path, smol_tokenizer, calib_tex
 
 
 def test_streamed_checkpoint_reloads_to_the_same_logits(tmp_path, smol_tokenizer):
-    from compress.checkpoint import load_quantized
+    from compress.format.checkpoint import load_quantized
 
     src = _save(tmp_path, "llama", smol_tokenizer)
     cfg = load_recipe("rtn4")

@@ -218,8 +218,8 @@ def test_int8_linear(dtype, m, k, n, pad):
 def test_fused_int8_kernel_matches_the_aten_one(rows):
     """An int8 per-channel QuantLinear (asymmetric: with the zero-point correction) through both kernels."""
     from compress import rtn
-    from compress.qlinear import QuantLinear
-    from compress.quant import Scheme
+    from compress.format.qlinear import QuantLinear
+    from compress.format.quant import Scheme
     from runtime.kernels.qmatmul import prepare_linear
 
     g = torch.Generator().manual_seed(7)

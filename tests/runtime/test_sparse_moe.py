@@ -6,8 +6,8 @@ import torch
 
 from compress import moe as cmoe
 from compress.config import QuantizeConfig
-from compress.families import FAMILIES
-from compress.moe_packed import PackedLinears
+from compress.format.families import FAMILIES
+from compress.format.moe_packed import PackedLinears
 from runtime.kernels.moe import StackedLinears
 from runtime.models.loader import Checkpoint, build_model
 from runtime.models.moe import SparseMoE, route

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from compress import rtn
-from compress.moe_packed import PackedLinears
-from compress.quant import QuantizedWeight, Scheme, compute_qparams, quantize
+from compress.format.moe_packed import PackedLinears
+from compress.format.quant import QuantizedWeight, Scheme, compute_qparams, quantize
 from runtime.kernels.moe import StackedLinears, torch_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU: TRITON_INTERPRET=1 (tests/conftest.py)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from compress.checkpoint import load_quantized
+from compress.format.checkpoint import load_quantized
 from compress.exporters.dispatch import export
 
 ct = pytest.importorskip("compressed_tensors")  # verification dependency (dev extra)

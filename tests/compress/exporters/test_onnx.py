@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from compress.checkpoint import load_quantized
+from compress.format.checkpoint import load_quantized
 from compress.exporters.dispatch import export
 from compress.exporters.onnx_fp import input_names, output_names
 from compress.exporters.onnx_runner import OnnxCausalLM, greedy_generate, position_ids

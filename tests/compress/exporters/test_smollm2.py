@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from cli import main
-from compress.checkpoint import load_quantized, quantized_modules
+from compress.format.checkpoint import load_quantized, quantized_modules
 from compress.exporters.dispatch import export
 from compress.exporters.onnx_runner import OnnxCausalLM, greedy_generate
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from compress import shards
+from compress.format import shards
 
 
 def test_written_shards_are_safetensors_and_read_back_in_slabs(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
-"""Every family of compress/families.py end to end on its tiny model: the bundled rtn4, gptq4 and awq4 recipes
-quantize it, the folder reloads (through compress.models.load_model, as every command does) to identical
+"""Every family of compress/format/families.py end to end on its tiny model: the bundled rtn4, gptq4 and awq4 recipes
+quantize it, the folder reloads (through compress.format.models.load_model, as every command does) to identical
 logits, and AWQ's smoothing map leaves the fp function unchanged. The exports of these folders are checked
 per family in tests/compress/exporters/test_families.py."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from tiny_models import FAMILIES, MOE_FAMILIES, one_thread, quantize_tiny, tiny_config, token_batches
 
-from compress.families import FAMILIES as TABLE
-from compress.families import supports
-from compress.moe_packed import PackedMoEExperts
+from compress.format.families import FAMILIES as TABLE
+from compress.format.families import supports
+from compress.format.moe_packed import PackedMoEExperts
 
 RECIPES = ("rtn4", "gptq4", "awq4")
 IDS = token_batches(2, 12, seed=1)[0]
@@ -32,8 +32,8 @@ def logits(model, ids: torch.Tensor = IDS) -> torch.Tensor:
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_recipe_quantizes_saves_and_reloads_to_identical_logits(family, recipe, tmp_path):
-    from compress.checkpoint import quantized_modules
-    from compress.models import load_model
+    from compress.format.checkpoint import quantized_modules
+    from compress.format.models import load_model
 
     base, model = quantize_tiny(family, recipe, tmp_path / "q")
     ref, out = logits(base), logits(model)

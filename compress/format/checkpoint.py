@@ -7,12 +7,12 @@ Layout of a folder written by ``compress quantize``:
   "modules": {linear name: {"bits", "group_size", "sym", "format", "act_order"}},
   "ignore": [fp linears], "ragged": {linear name: last group width}, "calibration": {...}}``, and for
   mixture-of-experts models ``"moe": {experts module: {scheme, "num_experts", shapes, "rtn_fallback"}}``
-  (packed experts, see compress/moe_packed.py; routers stay fp), and ``"embed"``/``"head"`` (below).
+  (packed experts, see compress/format/moe_packed.py; routers stay fp), and ``"embed"``/``"head"`` (below).
   Every quantized linear is listed in ``modules``: per-layer exceptions are explicit, nothing is
   inferred from names or shapes.
 - ``model.safetensors`` (or, from a streamed run, one shard per decoder block plus one for the rest,
   listed by ``model.safetensors.index.json``): fp tensors for everything else and, per quantized
-  linear, ``qweight``/``scales``/``qzeros``/``g_idx`` as documented in compress/qlinear.py.
+  linear, ``qweight``/``scales``/``qzeros``/``g_idx`` as documented in compress/format/qlinear.py.
 - tokenizer files and ``generation_config.json``.
 
 The input embedding and the LM head (compress/embed_head.py):
@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compress.moe_packed import PackedMoEExperts
-from compress.qlinear import QuantEmbedding, QuantLinear
-from compress.quant import Scheme
+from compress.format.moe_packed import PackedMoEExperts
+from compress.format.qlinear import QuantEmbedding, QuantLinear
+from compress.format.quant import Scheme
 
 FORMAT_VERSION = 1
 PACKING = "int32-lsb-first-along-in"
@@ -114,7 +114,7 @@ def build_quantization_config(model: nn.Module, method: str, scheme: Scheme, act
     ignore = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qmods)
     ragged = {n: m.in_features % m.scheme.group(m.in_features) for n, m in qmods.items()
               if m.in_features % m.scheme.group(m.in_features)}
-    moe = moe_entries(model)  # packed MoE experts (compress/moe_packed.py), listed only when present
+    moe = moe_entries(model)  # packed MoE experts (compress/format/moe_packed.py), listed only when present
     return {
         "quant_method": "compress", "version": FORMAT_VERSION, "packing": PACKING, "method": method,
         **scheme.to_dict(), "act_order": act_order,
@@ -207,7 +207,7 @@ def swap_in_packed_experts(model: nn.Module, entries: dict[str, dict]) -> None:
 def dequantize_embedding(state: dict[str, torch.Tensor], entry: dict, hidden: int) -> None:
     """Replace a quantized embedding's ``E.qweight``/``scales``/``qzeros`` in ``state`` by its dequantized ``E.weight``
     (fp32), so a model of the family's own embedding module loads it."""
-    from compress.quant import dequantize, unpack
+    from compress.format.quant import dequantize, unpack
 
     name, scheme = entry["name"], scheme_of(entry)
     q = unpack(state.pop(f"{name}.qweight"), scheme.bits, hidden)  # [vocab, words] -> [vocab, hidden]
@@ -233,7 +233,7 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, trust_r
     tied_head = None if dequantize_tables else swap_in_quant_embedding(model, qc, dtype)
     if qc.get("moe"):
         swap_in_packed_experts(model, qc["moe"])
-    from compress.shards import shard_files
+    from compress.format.shards import shard_files
 
     state = {}
     for f in shard_files(path):  # model.safetensors, or the shards a streamed run writes

@@ -89,7 +89,7 @@ def declared_dtype(src: ModelSource) -> torch.dtype | None:
     name = cfg.get("dtype") or cfg.get("torch_dtype")
     if not src.quantized and isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
         return getattr(torch, name)
-    from compress.shards import ShardReader
+    from compress.format.shards import ShardReader
 
     try:
         entries = ShardReader(src.path).entries
@@ -140,9 +140,9 @@ def _gguf_cache_path(src: ModelSource) -> Path:
 
 def gguf_cache(src: ModelSource) -> Path:
     """The safetensors folder holding ``src``'s GGUF dequantized (fp32), written on first use one tensor at a
-    time (compress/gguf_dequant.py), so a GGUF larger than memory converts."""
-    from compress.checkpoint import atomic_dir
-    from compress.gguf_dequant import dequantize_gguf
+    time (compress/format/gguf_dequant.py), so a GGUF larger than memory converts."""
+    from compress.format.checkpoint import atomic_dir
+    from compress.format.gguf_dequant import dequantize_gguf
 
     cache = _gguf_cache_path(src)
     if not (cache / "config.json").is_file():
@@ -155,7 +155,7 @@ def gguf_cache(src: ModelSource) -> Path:
     return cache
 
 
-def _load_gguf(src: ModelSource, dtype: torch.dtype) -> nn.Module:
+def load_gguf(src: ModelSource, dtype: torch.dtype) -> nn.Module:
     """GGUF -> fp model, through its dequantized cache."""
     from transformers import AutoModelForCausalLM
 
@@ -165,19 +165,19 @@ def _load_gguf(src: ModelSource, dtype: torch.dtype) -> nn.Module:
 def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                allow_pickle: bool = False, dequantize_tables: bool = False):
     """Load (model, tokenizer, source) for a name or path, in eval mode on CPU (``dequantize_tables``: see
-    :func:`compress.checkpoint.load_quantized`)."""
+    :func:`compress.format.checkpoint.load_quantized`)."""
     from transformers import AutoModelForCausalLM
 
     src = resolve(spec)
     _check_weights(src, allow_pickle)
     tokenizer = load_tokenizer(src, trust_remote_code)
     if src.quantized:
-        from compress.checkpoint import load_quantized
+        from compress.format.checkpoint import load_quantized
 
         model = load_quantized(src.path, dtype=dtype, trust_remote_code=trust_remote_code,
                                dequantize_tables=dequantize_tables)
     elif src.gguf_file:
-        model = _load_gguf(src, dtype)
+        model = load_gguf(src, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                      use_safetensors=not allow_pickle or None)

@@ -1,7 +1,7 @@
 """What the toolkit knows about each decoder family, in one table keyed by ``config.model_type``.
 
 Every step reads its part of a :class:`Family` here: AWQ's smoothing map and the rotations' folding
-(``smooth``, compress/mappings.py), GQA conversion (``attn``), MoE packing (``experts``), the runtime's
+(``smooth``, compress/format/mappings.py), GQA conversion (``attn``), MoE packing (``experts``), the runtime's
 routing (``moe``) and its native model (the modeling fields), the ONNX exporters (``onnx``) and the GGUF
 writer (``gguf``). A step whose entry is ``None`` (or ``False``) does not handle the family, and says so
 before any work through :func:`require`. Values read from a model's own config (sliding windows,
@@ -236,7 +236,7 @@ def supported(step: str) -> list[str]:
 def family(model_type: str) -> Family:
     """The family's entry, or a ValueError naming the known ones."""
     if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not in compress/families.py; known families: "
+        raise ValueError(f"model_type {model_type!r} is not in compress/format/families.py; known families: "
                          f"{', '.join(FAMILIES)} (rtn, gptq, nf4 and int8 quantize any decoder whose blocks are "
                          f"model.layers)")
     return FAMILIES[model_type]

@@ -4,7 +4,7 @@ transformers 5.x stores a layer's experts fused in one module (``MixtralExperts`
 ``Qwen3MoeExperts``, ``OlmoeExperts``): ``gate_up_proj [E, 2I, H]`` (gate rows then up rows) and
 ``down_proj [E, H, I]``, called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``.
 :class:`PackedMoEExperts` is a drop-in for that module holding integers only. State dict of one named
-``P`` (the checkpoint format; the layout of each expert's rows is exactly compress/qlinear.py's):
+``P`` (the checkpoint format; the layout of each expert's rows is exactly compress/format/qlinear.py's):
 - ``P.gate_up_proj.qweight`` int32 [E, 2I, ceil(H / (32 // bits))], ``.scales`` fp16 [E, 2I, G(H)],
   ``.qzeros`` uint8 [E, 2I, G(H)] (asymmetric int only), ``.g_idx`` int32 [E, H] (GPTQ act-order only)
 - ``P.down_proj.*`` the same with out = H, in = I.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compress.quant import QuantizedWeight, Scheme, dequantize, group_index, pack, per_word, unpack
+from compress.format.quant import QuantizedWeight, Scheme, dequantize, group_index, pack, per_word, unpack
 
 
 class PackedLinears(nn.Module):

@@ -340,3 +340,15 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return dequantize(self.q, self.scale, self.zero, self.scheme, self.g_idx, dtype)
 
+
+
+def quantize_weight(w: Tensor, scheme: Scheme, energy: Tensor | None = None) -> QuantizedWeight:
+    """Round-to-nearest of ``w: [out, in]`` onto the scheme's grid (integers, or the NF4 codebook) with min/max
+    (asymmetric) or absmax (symmetric) qparams per group: the rounding RTN, every method's fallback and the
+    runtime's own quantization share. Given each input channel's activation ``energy: [in]``, each group's range
+    minimises the energy-weighted error instead (:func:`weighted_range_params`)."""
+    if energy is None:
+        scale, zero = compute_qparams(w, scheme)
+    else:
+        scale, zero = weighted_range_params(w, scheme, energy)
+    return QuantizedWeight(quantize(w, scale, zero, scheme), scale, zero, scheme)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compress.quant import (BITS, Scheme, compute_qparams, dequantize, find_params, group_index, mse_params, pack,
+from compress.format.quant import (BITS, Scheme, compute_qparams, dequantize, find_params, group_index, mse_params, pack,
                             per_word, quantize, unpack)
 
 
@@ -56,7 +56,7 @@ def test_ragged_last_group_has_its_own_scale():
 
 
 def test_nf4_hits_codebook_exactly():
-    from compress.quant import NF4_CODEBOOK
+    from compress.format.quant import NF4_CODEBOOK
 
     scheme = Scheme(bits=4, group_size=16, sym=True, format="nf4")
     w = torch.tensor([NF4_CODEBOOK]) * 0.5
@@ -77,7 +77,7 @@ def test_bad_schemes_name_the_value(kw, msg):
 @pytest.mark.parametrize("scheme", [Scheme(4, 64, False), Scheme(4, 64, True), Scheme(3, 40, False),
                                     Scheme(8, -1, True), Scheme(4, 64, True, "nf4"), Scheme(4, 32, zero_floor=1)])
 def test_fake_quantize_is_exactly_the_stored_round_trip(scheme):
-    from compress.quant import fake_quantize
+    from compress.format.quant import fake_quantize
 
     w = torch.randn(48, 150, generator=torch.Generator().manual_seed(0)) * 0.02
     scale, zero = compute_qparams(w, scheme)
@@ -105,7 +105,7 @@ def test_mse_params_never_worse_than_full_range(scheme):
 
 def _brute_force_range(w: torch.Tensor, e: torch.Tensor, scheme: Scheme, grid: int, max_shrink: float):
     """Reference for weighted_range_params: every (row, group) and every (lo, hi) shrink pair in plain loops."""
-    from compress.quant import fp16_ceil
+    from compress.format.quant import fp16_ceil
 
     g = scheme.group(w.shape[1])
     steps = [1 - k / grid for k in range(int(grid * max_shrink) + 1)]
@@ -133,7 +133,7 @@ def _brute_force_range(w: torch.Tensor, e: torch.Tensor, scheme: Scheme, grid: i
 
 @pytest.mark.parametrize("scheme", [Scheme(2, 8, False), Scheme(3, 8, True), Scheme(4, 12, False)])
 def test_weighted_range_search_matches_a_brute_force_reference(scheme):
-    from compress.quant import weighted_range_params
+    from compress.format.quant import weighted_range_params
 
     g = torch.Generator().manual_seed(1)
     w = torch.randn(5, 20, generator=g) ** 3  # 20 columns: a ragged last group at group sizes 8 and 12
@@ -164,7 +164,7 @@ def test_weighted_range_beats_min_max_on_the_weighted_output_error(scheme):
 def test_zero_floor_keeps_zeros_at_least_one_and_every_weight_within_half_a_step(bits):
     """Groups of non-negative weights (zero 0 by min/max) take zero 1; the grid still covers every weight, and
     only those groups change."""
-    from compress.quant import weighted_range_params
+    from compress.format.quant import weighted_range_params
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(16, 96, generator=g) * 0.05

@@ -1,7 +1,7 @@
 """The packed quantized linear layer: stores integers, scales and zeros, never fp weights.
 
-State dict of a ``QuantLinear`` named ``P`` (the checkpoint format, see compress/checkpoint.py):
-- ``P.qweight``  int32  [out, ceil(in / (32 // bits))]  codes packed along ``in`` (compress/quant.py)
+State dict of a ``QuantLinear`` named ``P`` (the checkpoint format, see compress/format/checkpoint.py):
+- ``P.qweight``  int32  [out, ceil(in / (32 // bits))]  codes packed along ``in`` (compress/format/quant.py)
 - ``P.scales``   fp16   [out, n_groups]
 - ``P.qzeros``   uint8  [out, n_groups]    asymmetric int schemes only
 - ``P.g_idx``    int32  [in]               only when columns are not grouped in natural order (act-order)
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from compress.quant import QuantizedWeight, Scheme, dequantize, pack, per_word, unpack
+from compress.format.quant import QuantizedWeight, Scheme, dequantize, pack, per_word, unpack
 
 
 def register_codes(module: nn.Module, rows: int, cols: int, scheme: Scheme, device=None) -> None:
@@ -123,7 +123,7 @@ class QuantEmbedding(nn.Module):
         head = QuantLinear(self.embedding_dim, self.num_embeddings, self.scheme, dtype=self.compute_dtype,
                            device="meta")
         head.qweight, head.scales, head.qzeros = self.qweight, self.scales, self.qzeros
-        head.tied = tied  # compress/checkpoint.py records it as the tied head, not as a linear of its own
+        head.tied = tied  # compress/format/checkpoint.py records it as the tied head, not as a linear of its own
         return head
 
     def extra_repr(self) -> str:

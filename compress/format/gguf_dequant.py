@@ -5,7 +5,7 @@ holds the whole fp32 model (plus the model it builds) at once. Here the same pie
 config comes from the GGUF metadata (transformers' reader), the GGUF -> Hugging Face name map and the
 per-architecture fix-ups (llama's q/k row order, ...) are transformers' ``TensorProcessor``s applied to
 a model skeleton on the ``meta`` device, and each dequantized tensor is written to a part file as soon as
-it exists; the parts are then regrouped into ``model.safetensors`` or ~2 GB shards (compress/shards.py).
+it exists; the parts are then regrouped into ``model.safetensors`` or ~2 GB shards (compress/format/shards.py).
 Processors that stitch several GGUF tensors into one (per-expert MoE slices) keep their stitched
 tensors in memory until the end, as transformers does.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compress.shards import consolidate, write_shard
+from compress.format.shards import consolidate, write_shard
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from compress.models import load_model, resolve
+from compress.format.models import load_model, resolve
 
 
 def test_embedded_default_resolves_to_the_packaged_gguf():

@@ -4,11 +4,11 @@ AWQ folds a per-input-channel scale ``s`` into the op before a group of linears 
 the rows of a preceding linear) and multiplies the linears' columns by ``s``. Names are relative to
 one decoder block. ``inspect`` names the submodule whose output measures the error of a scale
 (``None``: the concatenated outputs of the linears themselves). The maps themselves live in
-compress/families.py with the rest of each family's knowledge.
+compress/format/families.py with the rest of each family's knowledge.
 """
 from __future__ import annotations
 
-from compress.families import BlockMap, Residual, Smooth, require  # noqa: F401  (the types steps use)
+from compress.format.families import BlockMap, Residual, Smooth, require  # noqa: F401  (the types steps use)
 
 # Linears that always stay in full precision: the output head and MoE routers.
 KEEP_FP = (r"(^|\.)lm_head$", r"\.gate$", r"shared_expert_gate$", r"\.router$")
