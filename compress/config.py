@@ -19,9 +19,9 @@ METHODS = ("rtn", "gptq", "awq", "nf4", "qat")  # compress/pipeline.py METHODS r
 QAT_INITS = ("rtn", "awq", "gptq")  # compress/qat.py: the PTQ result training starts from
 ROUNDINGS = ("rtn", "gptq")  # awq's final rounding
 TRAIN_DTYPES = ("bfloat16", "float32")
-KV_INITS = ("mean", "pca")  # compress/gqa.py
-UPTRAIN_SCOPES = ("blocks", "attn")  # compress/gqa.py: uptraining moves whole decoder blocks, or attention only
-ROTATIONS = ("none", "hadamard")  # compress/rotate.py: a randomized Hadamard folded into the weights
+KV_INITS = ("mean", "pca")  # compress/transforms/gqa.py
+UPTRAIN_SCOPES = ("blocks", "attn")  # compress/transforms/gqa.py: uptraining moves whole decoder blocks, or attention only
+ROTATIONS = ("none", "hadamard")  # compress/transforms/rotate.py: a randomized Hadamard folded into the weights
 # the input embedding and the LM head (compress/embed_head.py): kept as they are, or RTN codes of this width
 OUTER_CHOICES = ("none", "int8", "int4")
 # how an untied LM head is rounded: RTN, or GPTQ on the final hidden states (compress/head_gptq.py)
@@ -143,7 +143,7 @@ class QuantizeConfig:
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
     awq: AWQOptions = field(default_factory=AWQOptions)
     qat: QATOptions = field(default_factory=QATOptions)
-    # before any method: fold the norms and rotate the residual stream and each value head (compress/rotate.py)
+    # before any method: fold the norms and rotate the residual stream and each value head (compress/transforms/rotate.py)
     rotate: str = "none"
     # the final rounding picks each group's range by the activation-weighted error (gptq's grid, awq's rtn)
     weighted_range: bool = False

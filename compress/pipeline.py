@@ -10,7 +10,8 @@ from dataclasses import asdict
 
 from torch import Tensor, nn
 
-from compress import awq, fallback, gptq, gqa, moe, nf4, qat, rotate, rtn
+from compress import awq, fallback, gptq, moe, nf4, qat, rtn
+from compress.transforms import gqa, rotate
 from compress.calibrate import IN_MEMORY, BlockStore, Progress, QuantizeReport, Run, TrainProgress, layers_name
 from compress.config import QuantizeConfig
 

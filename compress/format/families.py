@@ -23,7 +23,7 @@ class Smooth:
 
 @dataclass(frozen=True)
 class Residual:
-    """How a block reads and writes the residual stream, for rotations (compress/rotate.py). Names are
+    """How a block reads and writes the residual stream, for rotations (compress/transforms/rotate.py). Names are
     parameters: ``reads`` pairs each norm with the weights that read its output (last dim = hidden),
     ``writes`` are the weights that add to the stream (dim -2 = hidden; a sibling ``bias`` is rotated too),
     ``values`` the value/output projections rotated per head."""

@@ -54,7 +54,7 @@ def errors(w, h, scheme) -> dict:
 def main():
     from compress.format.models import load_model
     from compress.format.quant import Scheme
-    from compress.rotate import rotate_model
+    from compress.transforms.rotate import rotate_model
 
     model, _, _ = load_model(str(ROOT / "runs/bench/fp"))
     tokens = torch.load(ROOT / "runs/bench/tokens.pt")["calib"][:8]

@@ -3,7 +3,7 @@ model (compress/train.py, no fake quantization). Two ways to initialise the new 
 
 * ``mean`` (Ainslie et al., 2023): each new key/value head is the mean of the old k_proj/v_proj heads
   (and biases) of the query heads it will serve; data-free.
-* ``pca``: activation-aware, RoPE-compatible closed-form merging (compress/gqa_pca.py) from the
+* ``pca``: activation-aware, RoPE-compatible closed-form merging (compress/transforms/gqa_pca.py) from the
   attention inputs' second moment on calibration text; it also rewrites q_proj and o_proj. Models whose
   keys are normalised per head (qwen3's ``k_norm``) or partially rotated keep mean-pooled keys.
 
@@ -14,7 +14,7 @@ the plain mean of ``K / K'`` whole old heads; any ``K'`` that divides ``H`` and 
 works. A per-head-dim key norm (qwen3's ``k_norm``) is shared by all heads and stays as it is.
 
 After either init, ``fit_steps`` fits each converted attention module to the original module's outputs,
-one layer at a time (compress/gqa_fit.py), and ``steps`` of uptraining distil the whole model end to end.
+one layer at a time (compress/transforms/gqa_fit.py), and ``steps`` of uptraining distil the whole model end to end.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from compress.config import KV_INITS, UPTRAIN_SCOPES
 from compress.format.families import AttnLayout, require
-from compress.gqa_fit import FitProgress, FitResult
+from compress.transforms.gqa_fit import FitProgress, FitResult
 from compress.train import TrainConfig, TrainProgress, TrainResult, distill
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def rope_keys(config, layout: AttnLayout) -> bool:
 def kv_input_moments(model: nn.Module, batches: list[Tensor]) -> list[Tensor]:
     """Per decoder layer, the augmented second moment of the attention input (k_proj's input)."""
     from compress.calibrate import decoder_layers
-    from compress.gqa_pca import collect_input_moments
+    from compress.transforms.gqa_pca import collect_input_moments
 
     layout = attn_layout(model.config.model_type)
     ks = [block.get_submodule(f"{layout.attn}.{layout.k}") for block in decoder_layers(model)]
@@ -119,7 +119,7 @@ def kv_input_moments(model: nn.Module, batches: list[Tensor]) -> list[Tensor]:
 def _merge_block(attn: nn.Module, layout: AttnLayout, sigma: Tensor, n_heads: int, n_kv: int, new_kv: int,
                  rope: bool) -> None:
     """Replace q/k/v/o_proj of one attention module by their activation-aware merge."""
-    from compress.gqa_pca import augmented, merge_attention
+    from compress.transforms.gqa_pca import augmented, merge_attention
 
     lins = {n: attn.get_submodule(getattr(layout, n)) for n in ("q", "k", "v", "o")}
     m = merge_attention(augmented(lins["q"]), augmented(lins["k"]), augmented(lins["v"]),
@@ -227,7 +227,7 @@ def convert_and_uptrain(model: nn.Module, kv_heads: int, batches: list[Tensor] |
                         init: str = "pca", scope: str = "blocks", fit_steps: int = 0, fit_lr: float = 1e-3,
                         fit_progress: FitProgress | None = None) -> GQAReport:
     """Convert (``init``: see ``convert``), then (``fit_steps > 0``) fit each converted attention module
-    to the original's outputs layer by layer (compress/gqa_fit.py), then (``steps > 0``) uptrain end to
+    to the original's outputs layer by layer (compress/transforms/gqa_fit.py), then (``steps > 0``) uptrain end to
     end against ``teacher`` (default: a copy of ``model`` as given)."""
     check_kv_heads(model.config, kv_heads)
     if (steps or fit_steps) and not batches:
@@ -240,7 +240,7 @@ def convert_and_uptrain(model: nn.Module, kv_heads: int, batches: list[Tensor] |
     report = convert(model, kv_heads, init, batches)
     ids = torch.cat(list(batches)) if steps or fit_steps else None
     if fit_steps:
-        from compress.gqa_fit import fit_to_teacher
+        from compress.transforms.gqa_fit import fit_to_teacher
 
         rows = ids[:FIT_WINDOWS].split(FIT_BATCH)
         report.fit = fit_to_teacher(model, teacher, list(rows), attn_layout(model.config.model_type).attn,

@@ -1,4 +1,4 @@
-"""Activation-aware, RoPE-compatible KV-head merging in closed form (the ``pca`` init of compress/gqa.py).
+"""Activation-aware, RoPE-compatible KV-head merging in closed form (the ``pca`` init of compress/transforms/gqa.py).
 
 Mean pooling (Ainslie et al.) averages the old k/v heads a new head replaces; when those heads are
 nearly orthogonal (SmolLM2's are) the mean keeps little of any of them. Here each merge is instead the

@@ -4,9 +4,9 @@ import pytest
 import torch
 from test_gqa import _batches, _ids, _model
 
-from compress import gqa
+from compress.transforms import gqa
 from compress.config import QuantizeConfig
-from compress.gqa_fit import AttentionIO, fit_attention, fit_to_teacher, relative_error
+from compress.transforms.gqa_fit import AttentionIO, fit_attention, fit_to_teacher, relative_error
 from compress.pipeline import quantize_model
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from compress import gqa_pca as gp
+from compress.transforms import gqa_pca as gp
 
 
 def _rand(*shape, seed=0):

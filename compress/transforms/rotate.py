@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from compress.hadamard import random_hadamard
+from compress.transforms.hadamard import random_hadamard
 from compress.format.families import FAMILIES, BlockMap, Residual, require
 
 log = logging.getLogger(__name__)

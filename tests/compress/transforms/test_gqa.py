@@ -4,7 +4,7 @@ import pytest
 import torch
 from tiny_models import FAMILIES as TINY, MOE_FAMILIES, tiny_config
 
-from compress import gqa
+from compress.transforms import gqa
 from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.config import QuantizeConfig
 from compress.format.families import supports
@@ -44,7 +44,7 @@ def _tie_heads(model, kv, new, keys="multiple", values="linear", seed=3):
     """Make each old KV head of a future group of ``kv // new`` a function of the group's first head:
     keys a per-RoPE-plane complex multiple ("multiple") or a copy ("copy"), values a linear map of it
     ("linear") or a copy ("copy") -- so that merging them loses nothing."""
-    from compress.gqa_pca import as_complex, as_real
+    from compress.transforms.gqa_pca import as_complex, as_real
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -117,7 +117,7 @@ def test_pca_with_per_head_k_norm_pools_the_keys_and_merges_the_values(caplog):
     model = _model("qwen3", 8, 8)
     _tie_heads(model, 8, 2, keys="copy", values="linear")
     ids = _ids()
-    with torch.no_grad(), caplog.at_level("INFO", logger="compress.gqa"):
+    with torch.no_grad(), caplog.at_level("INFO", logger="compress.transforms.gqa"):
         ref = model(ids).logits
         gqa.convert(model, 2, "pca", _batches())
         out = model(ids).logits

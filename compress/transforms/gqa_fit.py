@@ -1,6 +1,6 @@
-"""Layer-wise fitting of converted attention to the original's (the ``kv_fit_steps`` of compress/gqa.py).
+"""Layer-wise fitting of converted attention to the original's (the ``kv_fit_steps`` of compress/transforms/gqa.py).
 
-A KV-head merge (compress/gqa_pca.py) is the best fit of a proxy, the projections' outputs, not of the
+A KV-head merge (compress/transforms/gqa_pca.py) is the best fit of a proxy, the projections' outputs, not of the
 attention output itself, whose softmax it ignores. Here each converted attention module learns, on its
 own, to reproduce what the original module outputs for the original model's hidden states: Adam on its
 q/k/v/o parameters against the relative squared error, a cosine schedule, one layer at a time, forward

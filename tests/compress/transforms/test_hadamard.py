@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from compress.hadamard import hadamard, random_hadamard, random_orthogonal
+from compress.transforms.hadamard import hadamard, random_hadamard, random_orthogonal
 
 # every order the rotations meet: tiny test widths and head sizes, SmolLM2 (576, head 64), common LLM widths
 SIZES = (1, 2, 4, 12, 16, 20, 24, 36, 48, 64, 80, 96, 128, 576, 896, 960, 1536)

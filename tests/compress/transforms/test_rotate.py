@@ -7,7 +7,7 @@ from tiny_models import FAMILIES, MOE_FAMILIES, tiny_model, loud_channels
 from compress.calibrate import decoder_layers
 from compress.format.families import supports
 from compress.format.mappings import block_map
-from compress.rotate import residual_map, rotate_model
+from compress.transforms.rotate import residual_map, rotate_model
 
 
 def _logits(model, ids):
