@@ -14,7 +14,7 @@ from pathlib import Path
 
 from compress.config import QuantizeConfig
 from compress.calibrate import BlockStore
-from compress.embed_head import head_scheme, plan_outer
+from compress.methods.embed_head import head_scheme, plan_outer
 from compress.memory import check, plan_offload
 from compress.pipeline import Progress, QuantizeReport, TrainProgress, quantize_model
 
@@ -113,7 +113,7 @@ def preflight(src, cfg: QuantizeConfig, trust_remote_code: bool) -> None:
     if cfg.method == "qat" and cfg.qat.self_data > 0:  # sampling needs a start token (transformers fills defaults)
         from transformers import AutoConfig
 
-        from compress.selfdata import start_token
+        from compress.methods.common.selfdata import start_token
         start_token(AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code))
 
 
@@ -170,7 +170,7 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
     from compress.format.checkpoint import atomic_dir
     from compress.format.models import load_tokenizer
     from compress.format.shards import ShardReader
-    from compress.embed_head import empty_outer
+    from compress.methods.embed_head import empty_outer
     from compress.stream import StreamedBlocks, skeleton, tied, write_side_files
 
     folder = stream_folder(src, trust_remote_code)
@@ -198,8 +198,8 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
 def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_remote_code, allow_pickle, train_progress,
                max_memory, offload):
     from compress.format.checkpoint import save_quantized
-    from compress.embed_head import quantize_outer
-    from compress.head_gptq import calibrate_head
+    from compress.methods.embed_head import quantize_outer
+    from compress.methods.head_gptq import calibrate_head
     from compress.format.models import load_model
     from compress.format.shards import ShardReader
     from compress.stream import outer_dtypes, skeleton, tied

@@ -97,7 +97,7 @@ def test_a_fault_inside_a_step_is_one_line_naming_step_model_and_block(tiny_dir,
     def boom(*a, **k):
         raise AssertionError("Padding_idx must be within num_embeddings")
 
-    monkeypatch.setattr("compress.rtn.quantize_weight", boom)
+    monkeypatch.setattr("compress.methods.rtn.quantize_weight", boom)
     res = run(*(["-v"] if verbose else []), "quantize", "--recipe", "rtn4", "--model", tiny_dir, "--out",
               tmp_path / "q")
     lines = [line for line in res.output.splitlines() if line.startswith("error: ")]

@@ -15,7 +15,7 @@ Layout of a folder written by ``compress quantize``:
   linear, ``qweight``/``scales``/``qzeros``/``g_idx`` as documented in compress/format/qlinear.py.
 - tokenizer files and ``generation_config.json``.
 
-The input embedding and the LM head (compress/embed_head.py):
+The input embedding and the LM head (compress/methods/embed_head.py):
 - ``"embed": {"name": "model.embed_tokens", "bits", "group_size", "sym", "format"} | null``. A quantized
   embedding ``E`` is stored exactly like a QuantLinear with ``out = vocab``, ``in = hidden``: ``E.qweight`` int32
   ``[vocab, ceil(hidden / (32 // bits))]`` packed along hidden, ``E.scales`` fp16 ``[vocab, n_groups]``,

@@ -73,7 +73,7 @@ PHI3 = BlockMap((Smooth("input_layernorm", ("self_attn.qkv_proj",), "self_attn")
                 "does not split")
 # OLMo 2 has no norm before attention or the MLP: only the linear -> linear pairs can be smoothed
 OLMO2 = BlockMap((_ATTN_OUT, _MLP_DOWN), no_rotation=_POST_NORMS)
-# Mixture-of-experts blocks: only attention is smoothed here; experts are handled by compress/moe.py
+# Mixture-of-experts blocks: only attention is smoothed here; experts are handled by compress/methods/common/moe.py
 MOE = BlockMap((_ATTN_IN, _ATTN_OUT), residual=_MOE_RES)
 QWEN2_MOE = BlockMap(MOE.smooths, residual=_QWEN2_MOE_RES)
 

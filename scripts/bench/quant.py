@@ -83,7 +83,7 @@ def ours(recipe: str, tokens: dict, args) -> dict:
     row = {"recipe": recipe, "ppl": {k: window_ppl(model, w) for k, w in tokens["eval"].items()},
            "size_bytes": summary["out_bytes"], "seconds": summary["seconds"],
            "peak_rss_bytes": summary["peak_rss_bytes"]}
-    fell = summary["report"].get("notes", {}).get("fallback")  # layers compress/fallback.py kept at RTN
+    fell = summary["report"].get("notes", {}).get("fallback")  # layers compress/methods/common/fallback.py kept at RTN
     if fell:
         row["fallback"] = f"{fell['rtn']} of {fell['judged']}"
     if args.tasks:

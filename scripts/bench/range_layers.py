@@ -22,7 +22,7 @@ LAYERS = {"q_proj L10": (10, "self_attn.q_proj"), "o_proj L10": (10, "self_attn.
 
 
 def hessians(model, tokens) -> dict:
-    from compress.gptq import Hessian
+    from compress.methods.common.hessian import Hessian
 
     mods = {k: model.model.layers[i].get_submodule(n) for k, (i, n) in LAYERS.items()}
     hs = {k: Hessian.zeros(m.in_features) for k, m in mods.items()}
@@ -36,7 +36,8 @@ def hessians(model, tokens) -> dict:
 
 
 def errors(w, h, scheme) -> dict:
-    from compress import gptq, rtn
+    from compress.format import quant
+    from compress.methods.common import gptq_solver
     from compress.config import GPTQOptions
 
     def err(qw):
@@ -45,9 +46,9 @@ def errors(w, h, scheme) -> dict:
 
     def g(mse=False, weighted_range=False):
         opts = GPTQOptions(damp=0.05, act_order=True, static_groups=True, mse=mse)
-        return gptq.quantize_weight(w, h, scheme, opts, weighted_range).weight
+        return gptq_solver.quantize_weight(w, h, scheme, opts, weighted_range).weight
 
-    return {"rtn": err(rtn.quantize_weight(w, scheme)), "rtn weighted": err(rtn.quantize_weight(w, scheme, h.diagonal())),
+    return {"rtn": err(quant.quantize_weight(w, scheme)), "rtn weighted": err(quant.quantize_weight(w, scheme, h.diagonal())),
             "gptq": err(g()), "gptq mse": err(g(mse=True)), "gptq weighted": err(g(weighted_range=True))}
 
 

@@ -53,7 +53,7 @@ def test_offloaded_equals_in_memory(tmp_path, smol_tokenizer, calib_text, family
         return run(model, batches, observed, *a, **k)
 
     for mod in ("gptq", "awq"):
-        monkeypatch.setattr(f"compress.{mod}.run_sequential", spy)
+        monkeypatch.setattr(f"compress.methods.{mod}.run_sequential", spy)
     on_disk = quantize_to_folder(str(src), cfg, str(tmp_path / "d"), stream=stream, offload_activations=True)
     assert seen and all(seen) and on_disk.memory["activations_offloaded"]
     held = quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=stream, offload_activations=False)

@@ -213,7 +213,7 @@ def test_quantized_checkpoint_matches_transformers_with_the_same_quantlinears(tm
     from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
     from compress.format.qlinear import QuantLinear
     from compress.format.quant import Scheme
-    from compress.rtn import quantize_weight
+    from compress.methods.rtn import quantize_weight
 
     hf = save_tiny("llama", tmp_path / "fp", smol_tokenizer)
     scheme = Scheme(bits=4, group_size=32, sym=False)
@@ -246,7 +246,7 @@ def rtn4_folder(hf, path) -> None:
     from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
     from compress.format.qlinear import QuantLinear
     from compress.format.quant import Scheme
-    from compress.rtn import quantize_weight
+    from compress.methods.rtn import quantize_weight
 
     scheme = Scheme(bits=4, group_size=32, sym=False)
     for name, mod in list(hf.named_modules()):

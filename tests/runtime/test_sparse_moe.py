@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from compress import moe as cmoe
+from compress.methods.common import moe as cmoe
 from compress.config import QuantizeConfig
 from compress.format.families import FAMILIES
 from compress.format.moe_packed import PackedLinears

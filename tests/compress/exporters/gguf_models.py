@@ -51,7 +51,7 @@ def _dense(family: str, hidden: int = 64):
 def _moe(family: str, scheme: Scheme):
     from tiny_models import tiny_model
 
-    from compress import moe
+    from compress.methods.common import moe
     from compress.calibrate import decoder_layers
     from compress.config import QuantizeConfig
     from compress.format.families import FAMILIES

@@ -1,4 +1,4 @@
-"""Every family's awq4 folder (tests/compress/test_families.py makes them) exported and read back by others'
+"""Every family's awq4 folder (tests/compress/format/test_families.py makes them) exported and read back by others'
 code: transformers loads the compressed-tensors export with our logits; GPTQ and AWQ exports decoded by reference
 unpackers give our logits in the family's transformers model; ONNX Runtime runs the onnx-int4 export of each
 family the table marks ``onnx``, with its key/value cache past the sliding window; MoE folders are refused by the

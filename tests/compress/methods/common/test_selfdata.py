@@ -4,7 +4,8 @@ import pytest
 import torch
 from tiny_models import FAMILIES, one_thread, tiny_model
 
-from compress import qat, selfdata
+from compress.methods.common import selfdata
+from compress.methods import qat
 from compress.config import QATOptions
 
 

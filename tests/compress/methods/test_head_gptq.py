@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from compress.config import QuantizeConfig, load_recipe
-from compress.embed_head import OUTER_SCHEMES, table_of
-from compress.fallback import output_error
-from compress.head_gptq import HeadHessians, head_hessians, quantize_head
-from compress.hessian import Hessian
+from compress.methods.embed_head import OUTER_SCHEMES, table_of
+from compress.methods.common.fallback import output_error
+from compress.methods.head_gptq import HeadHessians, head_hessians, quantize_head
+from compress.methods.common.hessian import Hessian
 from compress.job import quantize_to_folder
-from compress.rtn import quantize_weight as rtn_weight
-from test_stream import _save, _tensors
+from compress.methods.rtn import quantize_weight as rtn_weight
+from folders import folder_tensors, save_tiny
 from tiny_models import tiny_model
 
 
@@ -79,7 +79,7 @@ def test_config():
 
 
 def test_an_untied_head_is_calibrated_in_memory(tmp_path, smol_tokenizer, calib_text):
-    src = _save(tmp_path, "llama", smol_tokenizer)  # untied
+    src = save_tiny(tmp_path, "llama", smol_tokenizer)  # untied
     cfg = load_recipe("rtn4").replace(calib=str(calib_text), nsamples=8, seqlen=32, batch_size=2, embed="none",
                                       head="int4", head_method="gptq")
     with pytest.raises(ValueError, match="head_method: gptq calibrates the head"):
@@ -89,7 +89,7 @@ def test_an_untied_head_is_calibrated_in_memory(tmp_path, smol_tokenizer, calib_
     assert not res.streamed and rtn.streamed
     qc = json.loads((Path(res.out) / "config.json").read_text())["quantization_config"]
     assert qc["head_calibration"]["method"] in ("gptq", "rtn") and "heldout_error" in qc["head_calibration"]
-    a, b = _tensors(res.out), _tensors(rtn.out)
+    a, b = folder_tensors(res.out), folder_tensors(rtn.out)
     body = [k for k in a if not k.startswith("lm_head.")]
     assert all(torch.equal(a[k], b[k]) for k in body)  # the body is RTN's either way
     assert a["lm_head.qweight"].shape == b["lm_head.qweight"].shape
@@ -100,13 +100,13 @@ def test_a_tied_table_is_calibrated_once_for_both(tmp_path, smol_tokenizer, cali
     """Gemma (tied, its lookups scaled by sqrt(hidden)): the one table rounded for the head, read by both."""
     from compress.format.checkpoint import load_quantized
 
-    src = _save(tmp_path, "gemma", smol_tokenizer)
+    src = save_tiny(tmp_path, "gemma", smol_tokenizer)
     cfg = load_recipe("rtn4").replace(calib=str(calib_text), nsamples=8, seqlen=32, batch_size=2, embed="int4",
                                       head="int4", head_method="gptq", fallback=False)
     res = quantize_to_folder(str(src), cfg, str(tmp_path / "g"))
     rtn = quantize_to_folder(str(src), cfg.replace(head_method="rtn"), str(tmp_path / "r"))
     assert not res.streamed and rtn.streamed
-    a, b = _tensors(res.out), _tensors(rtn.out)
+    a, b = folder_tensors(res.out), folder_tensors(rtn.out)
     assert a.keys() == b.keys() and not any(k.startswith("lm_head.") for k in a)
     assert not torch.equal(a["model.embed_tokens.qweight"], b["model.embed_tokens.qweight"])
     assert all(torch.equal(a[k], b[k]) for k in a if not k.startswith("model.embed_tokens."))

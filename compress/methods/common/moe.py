@@ -1,6 +1,6 @@
 """Mixture-of-experts quantization: every expert is quantized with the tokens its router actually sent
-it during calibration, by the method's own expert quantizer (``compress.gptq.quantize_expert``,
-``compress.awq.quantize_expert``: the same option groups as the method's dense path), or from its
+it during calibration, by the method's own expert quantizer (``compress.methods.gptq.quantize_expert``,
+``compress.methods.awq.quantize_expert``: the same option groups as the method's dense path), or from its
 weights alone (RTN/NF4), then each layer's experts are packed into one
 :class:`compress.format.moe_packed.PackedMoEExperts`. An expert routed fewer than ``moe_min_tokens`` tokens
 is RTN-quantized with a logged warning: never left in fp, never fed an empty Hessian. The router
@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from compress import rtn
 from compress.calibrate import BlockInputs, kept_fp
-from compress.format.checkpoint import moe_entries, set_module  # noqa: F401  (moe_entries: the checkpoint's record)
 from compress.config import QuantizeConfig
+from compress.format.checkpoint import moe_entries, set_module  # noqa: F401  (moe_entries: the checkpoint's record)
 from compress.format.families import FAMILIES, ExpertLayout, supported
 from compress.format.moe_packed import PackedLinears, PackedMoEExperts
-from compress.format.quant import QuantizedWeight, Scheme
+from compress.format.quant import QuantizedWeight, Scheme, quantize_weight
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +74,7 @@ ExpertFn = Callable[[Tensor, Tensor, Tensor, Callable], ExpertResult]
 
 def quantize_expert_data_free(w_gu: Tensor, w_down: Tensor, scheme: Scheme) -> ExpertResult:
     """One expert from its weights alone, on the scheme's grid (integers or the NF4 codebook)."""
-    return ExpertResult(rtn.quantize_weight(w_gu, scheme), rtn.quantize_weight(w_down, scheme), {})
+    return ExpertResult(quantize_weight(w_gu, scheme), quantize_weight(w_down, scheme), {})
 
 
 class RoutedInputs:

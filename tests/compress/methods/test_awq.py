@@ -1,6 +1,7 @@
 import torch
 
-from compress import awq, rtn
+from compress.format import quant
+from compress.methods import awq
 from compress.format.quant import Scheme
 
 
@@ -15,9 +16,9 @@ def test_awq_beats_rtn_on_outlier_input_channels():
     res = awq.search_scale(x.abs().mean(0), [w], scheme, lambda ws: x @ ws[0].T, ref, grid=20)
     assert res.ratio > 0 and res.loss < res.base_loss
     # the scales fold away exactly: (w * s) quantized, inputs divided by s
-    wq = rtn.quantize_weight(w * res.scales, scheme).dequantize()
+    wq = quant.quantize_weight(w * res.scales, scheme).dequantize()
     err_awq = ((x / res.scales) @ wq.T - ref).pow(2).mean()
-    err_rtn = (x @ rtn.quantize_weight(w, scheme).dequantize().T - ref).pow(2).mean()
+    err_rtn = (x @ quant.quantize_weight(w, scheme).dequantize().T - ref).pow(2).mean()
     assert err_awq < 0.8 * err_rtn
 
 
@@ -30,8 +31,8 @@ def test_clip_search_never_hurts_the_group_error():
     bounds = awq.search_clip(x, w, scheme, grid=20)
     assert bounds.lo.shape == bounds.hi.shape == (32, 3)
     assert (bounds.lo <= 0).all() and (bounds.hi >= 0).all()
-    clipped = rtn.quantize_weight(awq.clip_weight(w, bounds, scheme), scheme).dequantize()
-    plain = rtn.quantize_weight(w, scheme).dequantize()
+    clipped = quant.quantize_weight(awq.clip_weight(w, bounds, scheme), scheme).dequantize()
+    plain = quant.quantize_weight(w, scheme).dequantize()
     assert (x @ (clipped - w).T).pow(2).mean() <= (x @ (plain - w).T).pow(2).mean()
 
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 from tiny_models import FAMILIES, tiny_model
 
-from compress import qat
+from compress.methods import qat
 from compress.format.checkpoint import build_quantization_config, load_quantized, quantized_modules, save_quantized
 from compress.config import QuantizeConfig
-from compress.pipeline import quantize_model
+from compress.pipeline import METHODS, quantize_model
 from compress.format.qlinear import QuantLinear
 from compress.format.quant import Scheme, compute_qparams, dequantize, quantize
 from compress.train import cosine_factor, evaluate_kl
@@ -200,7 +200,8 @@ def _init_against_ptq(base, ptq_cfg: QuantizeConfig, lr_in_steps: bool = False):
     ptq_model = copy.deepcopy(base)
     quantize_model(ptq_model, ptq_cfg.replace(fallback=False), batches)  # QAT's init fits on every window
     model = copy.deepcopy(base)
-    fakes = qat.init_ptq(model, ptq_cfg.replace(method="qat", init=ptq_cfg.method, lr_in_steps=lr_in_steps), batches)
+    fakes = qat.init_ptq(model, ptq_cfg.replace(method="qat", init=ptq_cfg.method, lr_in_steps=lr_in_steps), batches,
+                         METHODS[ptq_cfg.method])
     assert len(fakes) == 14
     ids = _batches(seed=4)[0]
     with torch.no_grad():
@@ -241,7 +242,7 @@ def test_qat_from_gptq_trains_and_freezes_to_what_it_trained():
                                    act_order=True, static_groups=True, train_dtype="float32")
     start = copy.deepcopy(model)
     quantize_model(start, cfg.replace(method="gptq", steps=None), _batches(n=4))
-    res = qat.train(model, cfg, _batches(n=4))
+    res = qat.train(model, cfg, _batches(n=4), ptq=METHODS["gptq"])
     assert res.init == "gptq" and res.modules == 14 and len(res.train.losses) == 3
     moved = [not torch.equal(model.get_submodule(n).codes(), start.get_submodule(n).codes()) for n, m in
              start.named_modules() if isinstance(m, QuantLinear)]
@@ -294,3 +295,8 @@ def test_cli_qat(tmp_path, calib_text, smol_tokenizer):
     assert "qat: 2 steps from rtn, KL" in res.output
     qc = __import__("json").loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qc["method"] == "qat" and len(qc["modules"]) == 14 and qc["config"]["steps"] == 2
+
+
+def test_a_ptq_init_without_its_method_is_a_clear_error():
+    with pytest.raises(ValueError, match="init: awq needs that method's adapter"):
+        qat.train(tiny_model("llama"), QuantizeConfig.from_flat(method="qat", init="awq", steps=2), _batches(n=2))

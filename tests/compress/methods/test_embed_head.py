@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from compress.config import QuantizeConfig, load_recipe
-from compress.embed_head import OUTER_SCHEMES, outer_scheme, plan_outer, quantize_table, row_slabs
+from compress.methods.embed_head import OUTER_SCHEMES, outer_scheme, plan_outer, quantize_table, row_slabs
 from compress.job import quantize_to_folder
 from compress.format.quant import compute_qparams, dequantize, quantize
-from test_stream import _save, _tensors
+from folders import folder_tensors, save_tiny
 from tiny_models import tiny_model
 
 
@@ -52,7 +52,7 @@ def test_a_tied_model_takes_one_scheme():
 
 
 def test_tied_model_with_two_schemes_is_refused_before_any_work(tmp_path, smol_tokenizer):
-    src = _save(tmp_path, "gemma", smol_tokenizer)
+    src = save_tiny(tmp_path, "gemma", smol_tokenizer)
     with pytest.raises(ValueError, match="--embed int8 --head int8"):
         quantize_to_folder(str(src), load_recipe("rtn4").replace(embed="int8", head="int4"), str(tmp_path / "o"))
     assert not (tmp_path / "o").exists()
@@ -61,12 +61,12 @@ def test_tied_model_with_two_schemes_is_refused_before_any_work(tmp_path, smol_t
 @pytest.mark.parametrize("family,recipe,embed,head", [("llama", "rtn4", "int8", "int4"), ("gemma", "awq4", "int8", "none"),
                                                       ("qwen2", "gptq4", "none", "int8"), ("gemma", "rtn4", "none", "int4")])
 def test_both_paths_write_the_same_quantized_tables(tmp_path, smol_tokenizer, calib_text, family, recipe, embed, head):
-    src = _save(tmp_path, family, smol_tokenizer)
+    src = save_tiny(tmp_path, family, smol_tokenizer)
     tied = json.loads((src / "config.json").read_text()).get("tie_word_embeddings", False)
     cfg = load_recipe(recipe).replace(calib=str(calib_text), nsamples=4, seqlen=32, batch_size=2, embed=embed, head=head)
     streamed = quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True)
     whole = quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False)
-    a, b = _tensors(streamed.out), _tensors(whole.out)
+    a, b = folder_tensors(streamed.out), folder_tensors(whole.out)
     assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
     qc = json.loads((Path(streamed.out) / "config.json").read_text())["quantization_config"]
     assert qc == json.loads((Path(whole.out) / "config.json").read_text())["quantization_config"] | {
@@ -89,7 +89,7 @@ def test_quantized_tables_load_back(tmp_path, smol_tokenizer, family, embed, hea
     from compress.format.checkpoint import load_quantized
     from compress.format.qlinear import QuantEmbedding, QuantLinear
 
-    src = _save(tmp_path, family, smol_tokenizer)
+    src = save_tiny(tmp_path, family, smol_tokenizer)
     cfg = load_recipe("rtn4").replace(embed=embed, head=head)
     out = quantize_to_folder(str(src), cfg, str(tmp_path / "q")).out
     model = load_quantized(out)
@@ -127,7 +127,7 @@ def test_a_gguf_source_keeps_its_outer_tensors_at_16_bits(tmp_path, monkeypatch)
     path = export(str(build(tmp_path / "q", "llama", Scheme(4, 32, True))), "gguf", tmp_path / "m.gguf",
                   options=GGUFOptions(embed_type="f16"))
     cfg = load_recipe("rtn4").replace(embed="none", head="none")
-    a = _tensors(quantize_to_folder(str(path), cfg, str(tmp_path / "s"), stream=True).out)
-    b = _tensors(quantize_to_folder(str(path), cfg, str(tmp_path / "m"), stream=False).out)
+    a = folder_tensors(quantize_to_folder(str(path), cfg, str(tmp_path / "s"), stream=True).out)
+    b = folder_tensors(quantize_to_folder(str(path), cfg, str(tmp_path / "m"), stream=False).out)
     assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
     assert {a[k].dtype for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")} == {torch.bfloat16}

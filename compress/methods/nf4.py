@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from compress import rtn
-from compress.format import quant
-from compress.calibrate import Run
+from compress.calibrate import Run, quantize_blocks
 from compress.config import QuantizeConfig
+from compress.format import quant
 from compress.format.quant import QuantizedWeight, Scheme, compute_qparams
 
 
@@ -21,4 +20,4 @@ def quantize_weight(w: Tensor, block_size: int = 64) -> QuantizedWeight:
 # -- the adapter ---------------------------------------------------------------------------------
 def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     """NF4 of every target linear and expert (blocks of ``group_size``), in place."""
-    rtn.quantize_blocks(model, cfg, run, lambda w: quantize_weight(w, cfg.scheme.group_size))
+    quantize_blocks(model, cfg, run, lambda w: quantize_weight(w, cfg.scheme.group_size))

@@ -6,10 +6,12 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from compress import gptq, rtn
+from compress.format import quant
+from compress.methods import gptq
+from compress.methods.common import gptq_solver
 from compress.calibrate import capture_inputs, decoder_layers, target_linears
 from compress.config import QuantizeConfig
-from compress.guided import quantized_linears, token_weights
+from compress.methods.common.guided import quantized_linears, token_weights
 from compress.pipeline import quantize_model
 
 BATCHES = list(torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(0)).split(2))
@@ -21,7 +23,7 @@ def _block_by_block(model, weights=None, batches=BATCHES):
     for i, block in enumerate(decoder_layers(model)):
         linears = target_linears(block, ())
         w = None if weights is None else {n: weights[(i, n)] for n in linears}
-        out.update({(i, n): h.H for n, h in gptq.observe(block, linears, inputs, w).items()})
+        out.update({(i, n): h.H for n, h in gptq_solver.observe(block, linears, inputs, w).items()})
         inputs.hidden = inputs.forward(block)
     return out
 
@@ -35,7 +37,7 @@ def hessians_seen(model, cfg, batches=BATCHES) -> dict:
 
     def spy(W, H, scheme, *args, **kw):
         seen[keys[W.data_ptr()]] = H.clone()
-        return gptq.GPTQResult(rtn.quantize_weight(W, scheme), 0.0)
+        return gptq_solver.GPTQResult(quant.quantize_weight(W, scheme), 0.0)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gptq, "quantize_weight", spy)
         quantize_model(model, cfg, batches)
@@ -109,7 +111,7 @@ def test_fp_gptq_end_to_end_saved_and_reloaded(family, guided, tmp_path):
 
 
 def test_held_out_windows_go_through_the_fp_blocks_too(monkeypatch):
-    from compress import fallback
+    from compress.methods.common import fallback
 
     model, windows = tiny_model("llama", layers=2), BATCHES * 2  # 8 windows: the last 2 held out
     held, real = [], fallback.compare

@@ -4,10 +4,10 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from compress import gptq
+from compress.methods.common import gptq_solver
 from compress.calibrate import capture_inputs, decoder_layers
 from compress.config import QuantizeConfig
-from compress.guided import token_weights
+from compress.methods.common.guided import token_weights
 from compress.pipeline import quantize_model
 
 BATCHES = list(torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(0)).split(2))
@@ -46,7 +46,7 @@ def test_weights_are_the_squared_loss_gradient_at_each_output():
 def test_weighted_hessian_counts_each_token_by_its_weight():
     x = torch.randn(2, 5, 8)
     w = torch.rand(2, 5)
-    h = gptq.Hessian.zeros(8)
+    h = gptq_solver.Hessian.zeros(8)
     h.add(x, w)
     flat, fw = x.reshape(-1, 8), w.reshape(-1)
     assert torch.allclose(h.H, 2 * (flat * fw[:, None]).T @ flat / 10, atol=1e-6)
@@ -57,12 +57,12 @@ def test_guided_weights_split_the_shared_hessians():
     block = decoder_layers(model)[0]
     inputs = capture_inputs(model, BATCHES)
     lins = {n: block.get_submodule(n) for n in ("self_attn.q_proj", "self_attn.k_proj")}
-    shared = gptq.observe(block, lins, inputs)
+    shared = gptq_solver.observe(block, lins, inputs)
     assert shared["self_attn.q_proj"] is shared["self_attn.k_proj"]
     tw = token_weights(model, BATCHES)
-    split = gptq.observe(block, lins, inputs, {n: tw[(0, n)] for n in lins})
+    split = gptq_solver.observe(block, lins, inputs, {n: tw[(0, n)] for n in lins})
     assert not torch.allclose(split["self_attn.q_proj"].H, split["self_attn.k_proj"].H)
-    ones = gptq.observe(block, lins, inputs, {n: [torch.ones(b.shape) for b in BATCHES] for n in lins})
+    ones = gptq_solver.observe(block, lins, inputs, {n: [torch.ones(b.shape) for b in BATCHES] for n in lins})
     assert torch.allclose(ones["self_attn.q_proj"].H, shared["self_attn.q_proj"].H, atol=1e-5)
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 from tiny_models import MOE_FAMILIES, NUM_EXPERTS, tiny_config, tiny_model
 
-from compress import moe, rtn
+from compress.methods.common import moe
+from compress.format import quant
 from compress.calibrate import decoder_layers
 from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.config import QuantizeConfig
@@ -42,7 +43,7 @@ def _batches(n=8, seqlen=32, seed=0):
 
 def _expert_weights(seed=0, out_f=48, in_f=64, scheme=Scheme(4, 32)):
     g = torch.Generator().manual_seed(seed)
-    return [rtn.quantize_weight(torch.randn(out_f, in_f, generator=g) * 0.05, scheme) for _ in range(E)]
+    return [quant.quantize_weight(torch.randn(out_f, in_f, generator=g) * 0.05, scheme) for _ in range(E)]
 
 
 def _routing(T=24, k=2, seed=0):
@@ -174,13 +175,13 @@ def test_dead_expert_falls_back_to_rtn_with_a_warning(caplog):
     for layer in decoder_layers(model):
         layer.mlp.gate.register_forward_hook(never_expert_0)
     cfg = QuantizeConfig(method="gptq", bits=4, group_size=32)
-    with caplog.at_level(logging.WARNING, logger="compress.moe"):
+    with caplog.at_level(logging.WARNING, logger="compress.methods.common.moe"):
         report = quantize_model(model, cfg, _batches())
     assert "fewer than 32 routed calibration tokens {0: 0}" in caplog.text
     packed = model.model.layers[0].mlp.experts
     assert packed.rtn_fallback == [0]
     w_gu = base.model.layers[0].mlp.experts.gate_up_proj.data[0]
-    assert torch.equal(packed.gate_up_proj.quantized_weight(0).q, rtn.quantize_weight(w_gu, cfg.scheme).q)
+    assert torch.equal(packed.gate_up_proj.quantized_weight(0).q, quant.quantize_weight(w_gu, cfg.scheme).q)
     rec = [r for r in report.layers if r.get("expert") == 0 and r["layer"] == 0][0]
     assert rec["fallback"] and rec["tokens"] == 0
     for e in range(E):

@@ -1,7 +1,7 @@
 """GPTQ of the LM head on the final hidden states (issue 32): the head is the largest single matrix of a
 large-vocabulary model and its rounding error shows directly in the logits, so it is rounded against the Hessian of
 what it reads, the quantized body's final (normed) hidden states over the calibration windows, and keeps plain RTN
-where that is better on the held-out windows (compress/fallback.py), as the body's linears do.
+where that is better on the held-out windows (compress/methods/common/fallback.py), as the body's linears do.
 
 Only the backbone runs (the hidden states are ``[batch, seqlen, hidden]``): the full-vocabulary logits of the
 calibration tokens are never made. A tied table is calibrated the same way and the embedding's lookups read the same
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from compress import fallback, gptq, rtn
 from compress.calibrate import Progress, autocast_of, backbone
 from compress.config import GPTQOptions, QuantizeConfig
-from compress.hessian import Hessian
-from compress.format.quant import QuantizedWeight, Scheme
+from compress.format.quant import QuantizedWeight, Scheme, quantize_weight
+from compress.methods.common import fallback, gptq_solver
+from compress.methods.common.hessian import Hessian
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,11 @@ class HeadResult:
 def quantize_head(w: Tensor, hessians: HeadHessians, scheme: Scheme, opts: GPTQOptions = GPTQOptions()) -> HeadResult:
     """GPTQ of the head ``w: [vocab, hidden]`` against ``hessians.fit`` (natural column order: a table's groups are
     consecutive columns); RTN's codes instead where they are strictly better on ``hessians.held``."""
-    res = gptq.quantize_weight(w, hessians.fit, scheme, GPTQOptions(damp=opts.damp, block_size=opts.block_size,
+    res = gptq_solver.quantize_weight(w, hessians.fit, scheme, GPTQOptions(damp=opts.damp, block_size=opts.block_size,
                                                                       mse=opts.mse))
     if hessians.held is None:
         return HeadResult(res.weight, res.loss)
-    plain = rtn.quantize_weight(w.float(), scheme)
+    plain = quantize_weight(w.float(), scheme)
     choice = fallback.compare(w, res.weight.dequantize(), plain.dequantize(), hessians.held)
     return HeadResult(plain if choice.rtn else res.weight, res.loss, choice)
 

@@ -20,19 +20,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from compress import awq, gptq, selfdata
-from compress.format import quant
-from compress.calibrate import Progress, QuantizeReport, Run, decoder_layers, layers_name, target_linears
-from compress.format.checkpoint import set_module
+from compress.calibrate import Method, Progress, QuantizeReport, Run, decoder_layers, layers_name, target_linears
 from compress.config import QuantizeConfig
+from compress.format import quant
+from compress.format.checkpoint import set_module
 from compress.format.qlinear import QuantLinear
 from compress.format.quant import MIN_SCALE, QuantizedWeight, Scheme, compute_qparams, group_index
+from compress.methods.common import selfdata
 from compress.train import TrainConfig, TrainProgress, TrainResult, distill
 
 log = logging.getLogger(__name__)
 
 PTQ_INIT_TOKENS = 128 * 512  # the PTQ init's calibration budget (recipes/awq4.yaml's); QAT may train on more
-PTQ_INITS = {"awq": awq.quantize, "gptq": gptq.quantize}  # QATOptions.init, besides "rtn"
 
 
 def round_ste(x: Tensor) -> Tensor:
@@ -202,9 +201,10 @@ def _first_tokens(batches: list[Tensor], n_tokens: int) -> list[Tensor]:
     return used
 
 
-def init_ptq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], progress: Progress | None = None
+def init_ptq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], ptq: Method, progress: Progress | None = None
              ) -> dict[str, FakeQuantLinear]:
-    """Run the config's ``init`` method (AWQ or GPTQ, with the config's awq / gptq options) on the first
+    """Run ``ptq``, the adapter of the config's ``init`` method (AWQ or GPTQ, with the config's awq / gptq options;
+    the pipeline hands it over: QAT imports no other method), on the first
     PTQ_INIT_TOKENS tokens, then wrap each result so that the initial fake-quantized model equals it exactly:
     qparams = the method's scales and zeros; latent weight, clamped to the grid's range = AWQ's smoothed fp weight,
     or each weight as GPTQ rounded it (after the error feedback of the columns before it), so that the latent
@@ -213,7 +213,7 @@ def init_ptq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], progr
     originals = _targets(model, cfg.ignore)  # AWQ scales these modules' weights in place, then swaps them out
     run = Run(QuantizeReport(init), _first_tokens(batches, PTQ_INIT_TOKENS), progress,
               latents={} if init == "gptq" else None)
-    PTQ_INITS[init](model, cfg, run)
+    ptq(model, cfg, run)
     fakes, agree, total = {}, 0, 0
     for name, lin in originals.items():
         ql = model.get_submodule(name)
@@ -234,7 +234,7 @@ def init_ptq(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], progr
     # codes must nearly agree
     if agree < 0.99 * total:
         raise RuntimeError(f"{init} init: only {agree / total:.1%} of codes match the {init} result; its adapter no "
-                           "longer leaves the weights it rounded where compress/qat.py reads them")
+                           "longer leaves the weights it rounded where compress/methods/qat.py reads them")
     return fakes
 
 
@@ -249,7 +249,7 @@ def freeze(model: nn.Module) -> int:
 def with_self_data(ids: Tensor, teacher: nn.Module, share: float, seed: int,
                    progress: Progress | None = None) -> tuple[Tensor, float]:
     """``ids [n, seqlen]`` with its last ``round(share * n)`` windows replaced by windows the teacher samples
-    (compress/selfdata.py), and the seconds that took."""
+    (compress/methods/common/selfdata.py), and the seconds that took."""
     n_self = round(share * ids.shape[0])
     if n_self == 0:
         return ids, 0.0
@@ -276,7 +276,8 @@ def trainable_groups(fakes: dict[str, FakeQuantLinear], lr: float, scale_lr: flo
 
 
 def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher: nn.Module | None = None,
-          progress: Progress | None = None, train_progress: TrainProgress | None = None) -> QATResult:
+          progress: Progress | None = None, train_progress: TrainProgress | None = None, ptq: Method | None = None
+          ) -> QATResult:
     """QAT of ``model`` in place with a :class:`compress.config.QuantizeConfig` (method qat): PTQ init,
     distillation from ``teacher`` (default: a copy of ``model`` as given), then freeze to QuantLinears."""
     if not batches:
@@ -290,8 +291,10 @@ def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher:
         p.requires_grad_(False)
     opts = cfg.qat
     ids, self_seconds = with_self_data(ids, teacher, opts.self_data, cfg.seed, progress)
-    if opts.init in PTQ_INITS:
-        fakes = init_ptq(model, cfg, batches, progress)
+    if opts.init != "rtn":
+        if ptq is None:
+            raise ValueError(f"QAT with init: {opts.init} needs that method's adapter (compress.pipeline.METHODS) as ptq")
+        fakes = init_ptq(model, cfg, batches, ptq, progress)
     else:
         fakes = init_rtn(model, cfg.scheme, cfg.ignore, opts.learn_zero, opts.lr_in_steps)
     for p in model.parameters():
@@ -316,7 +319,7 @@ def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher:
 # -- the adapter ---------------------------------------------------------------------------------
 def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     """QAT in place (:func:`train`), its losses in the report's notes."""
-    res = train(model, cfg, run.batches, run.teacher, run.progress, run.train_progress)
+    res = train(model, cfg, run.batches, run.teacher, run.progress, run.train_progress, run.ptq)
     run.report.notes["qat"] = {"init": res.init, "modules": res.modules, "steps": len(res.train.losses),
                                "loss_first": res.train.first, "loss_last": res.train.last,
                                "train_seconds": res.train.seconds,

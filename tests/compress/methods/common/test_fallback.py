@@ -1,4 +1,4 @@
-"""The fallback to RTN (compress/fallback.py): the split of the calibration windows, the choice on held-out output
+"""The fallback to RTN (compress/methods/common/fallback.py): the split of the calibration windows, the choice on held-out output
 error, and on a tiny model whose calibration windows mislead (fit windows in half of the hidden channels, held-out
 windows in the other half) GPTQ and AWQ keep RTN and record it, an AWQ group that falls back left exactly unscaled."""
 from __future__ import annotations
@@ -10,7 +10,9 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from compress import fallback, gptq, rtn
+from compress.methods.common import fallback
+from compress.format import quant
+from compress.methods.common import gptq_solver
 from compress.config import QuantizeConfig
 from compress.pipeline import quantize_model
 from compress.format.quant import Scheme
@@ -47,7 +49,7 @@ def test_output_error_is_the_squared_output_error():
 
 
 def _hessian(x):
-    h = gptq.Hessian.zeros(x.shape[1])
+    h = gptq_solver.Hessian.zeros(x.shape[1])
     h.add(x)
     return h.H
 
@@ -62,8 +64,8 @@ def test_gptq_fit_on_one_subspace_falls_back_off_it():
     w = torch.randn(48, 64, generator=gen)
     basis = torch.linalg.qr(torch.randn(64, 64, generator=gen))[0].T  # orthonormal rows
     fit, held = _inputs(512, basis[:32], gen), _inputs(128, basis[32:], gen)
-    q = gptq.quantize_weight(w, _hessian(fit), SCHEME).weight.dequantize()
-    plain = rtn.quantize_weight(w, SCHEME).dequantize()
+    q = gptq_solver.quantize_weight(w, _hessian(fit), SCHEME).weight.dequantize()
+    plain = quant.quantize_weight(w, SCHEME).dequantize()
     assert fallback.compare(w, q, plain, _hessian(held)).rtn  # off the fit subspace GPTQ is worse
     assert not fallback.compare(w, q, plain, _hessian(_inputs(128, basis[:32], gen))).rtn  # on it, better
 
@@ -73,8 +75,8 @@ def test_gptq_keeps_its_result_where_it_generalizes():
     w = torch.randn(48, 64, generator=gen)
     mix = torch.randn(64, 64, generator=gen) * torch.linspace(0.05, 2, 64)  # correlated, uneven channels
     fit, held = torch.randn(1024, 64, generator=gen) @ mix, torch.randn(256, 64, generator=gen) @ mix
-    q = gptq.quantize_weight(w, _hessian(fit), SCHEME).weight.dequantize()
-    choice = fallback.compare(w, q, rtn.quantize_weight(w, SCHEME).dequantize(), _hessian(held))
+    q = gptq_solver.quantize_weight(w, _hessian(fit), SCHEME).weight.dequantize()
+    choice = fallback.compare(w, q, quant.quantize_weight(w, SCHEME).dequantize(), _hessian(held))
     assert not choice.rtn and choice.error < 0.9 * choice.rtn_error
 
 
@@ -130,7 +132,7 @@ def test_awq_groups_that_fall_back_are_rtn_of_the_unscaled_weights():
         assert torch.equal(block.get_submodule(name).weight, fp_block.get_submodule(name).weight)
     for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj"):
-        want = rtn.quantize_weight(fp_block.get_submodule(name).weight.data, SCHEME)
+        want = quant.quantize_weight(fp_block.get_submodule(name).weight.data, SCHEME)
         assert torch.equal(block.get_submodule(name).dequantized_weight(), want.dequantize()), name
 
 

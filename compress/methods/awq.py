@@ -17,12 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from compress import fallback, gptq, guided, rtn
 from compress.calibrate import BlockInputs, Run, autocast_of, layers_name, run_sequential, swap_linear, target_linears
 from compress.config import QuantizeConfig
+from compress.format import quant as rtn  # the RTN rounding, quant.quantize_weight, by the name used below
 from compress.format.mappings import BlockMap, Smooth, block_map
-from compress.moe import ExpertResult, intermediate
 from compress.format.quant import QuantizedWeight, Scheme, fake_quantize, fake_quantize_groups, group_index
+from compress.methods.common import fallback, guided
+from compress.methods.common import gptq_solver as gptq  # GPTQ's Hessian, solver and observe
+from compress.methods.common.moe import ExpertResult, intermediate
 
 log = logging.getLogger(__name__)
 
