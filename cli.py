@@ -224,7 +224,7 @@ def eval_cmd(model_spec, baseline, server, tokenizer, api_key, served_model, con
     import json
     from pathlib import Path
 
-    from compress import api
+    from eval.api import evaluate
     from eval.progress import Bars
     from eval.report import format_table
 
@@ -240,8 +240,8 @@ def eval_cmd(model_spec, baseline, server, tokenizer, api_key, served_model, con
     _quiet_lm_eval()
     bars = Bars(quiet)
     try:
-        result = api.evaluate(model_spec, baseline, _csv(ppl), _csv(tasks), limit, seqlen, max_windows, batch_size,
-                              progress=bars, server=target)
+        result = evaluate(model_spec, baseline, _csv(ppl), _csv(tasks), limit, seqlen, max_windows, batch_size,
+                          progress=bars, server=target)
     finally:
         bars.close()
     click.echo(format_table(result))
