@@ -23,9 +23,9 @@ def quantize(model: str, recipe: str = "awq4", out: str | Path | None = None, *,
     """Quantize ``model`` (an embedded name, an HF folder or a .gguf file) with ``recipe`` (a bundled name or a
     YAML path) into the folder ``out`` [default: out/MODEL-RECIPE]; returns compress.job.QuantizeSummary."""
     from compress.config import FIELDS, load_recipe
-    from compress.job import quantize_to_folder
     from compress.format.host import parse_size
     from compress.format.models import resolve
+    from compress.job import quantize_to_folder
 
     cfg = load_recipe(recipe)
     unknown = sorted(set(overrides) - FIELDS)

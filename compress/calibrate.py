@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor, nn
 
-from compress.format.checkpoint import set_module
 from compress.errors import during
+from compress.format.checkpoint import set_module
 from compress.format.mappings import KEEP_FP
-from compress.offload import DiskTensors, empty_like
 from compress.format.qlinear import QuantLinear
 from compress.format.quant import QuantizedWeight
+from compress.offload import DiskTensors, empty_like
 
 if TYPE_CHECKING:
     from compress.config import QuantizeConfig

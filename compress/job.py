@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from compress.config import QuantizeConfig
 from compress.calibrate import BlockStore
-from compress.methods.embed_head import head_scheme, plan_outer
+from compress.config import QuantizeConfig
 from compress.memory import check, plan_offload
+from compress.methods.embed_head import head_scheme, plan_outer
 from compress.pipeline import Progress, QuantizeReport, TrainProgress, quantize_model
 
 STREAM_METHODS = ("rtn", "nf4", "gptq", "awq")
@@ -198,10 +198,10 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
 def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_remote_code, allow_pickle, train_progress,
                max_memory, offload):
     from compress.format.checkpoint import save_quantized
-    from compress.methods.embed_head import quantize_outer
-    from compress.methods.head_gptq import calibrate_head
     from compress.format.models import load_model
     from compress.format.shards import ShardReader
+    from compress.methods.embed_head import quantize_outer
+    from compress.methods.head_gptq import calibrate_head
     from compress.stream import outer_dtypes, skeleton, tied
 
     estimate, dtypes, offloaded = None, None, bool(offload)

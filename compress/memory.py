@@ -120,8 +120,8 @@ def outer_bytes(model: nn.Module, cfg, streamed: bool) -> int:
     16-bit sources); in memory, the tables' 16-bit source pages while loading and their 16-bit copies while saving;
     both, the packed codes of quantized tables with one chunk's temporaries (compress/methods/embed_head.py), and the
     tokenizer of the vocabulary."""
-    from compress.methods.embed_head import CHUNK_VALUES, head_scheme, plan_outer
     from compress.format.shards import SLAB_BYTES
+    from compress.methods.embed_head import CHUNK_VALUES, head_scheme, plan_outer
 
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     vocab, hidden, tied = text.vocab_size, text.hidden_size, bool(getattr(text, "tie_word_embeddings", False))

@@ -24,9 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from compress.calibrate import BlockInputs, BlockStore, capture_inputs, decoder_layers
-from compress.methods.embed_head import OuterPlan, quantize_table
 from compress.format.host import trim
 from compress.format.shards import Lazy, ShardReader, consolidate, write_shard
+from compress.methods.embed_head import OuterPlan, quantize_table
 
 DTYPE = torch.float32  # blocks are materialized (and the other tensors written) as the in-memory path loads them
 MAX_SHARD_BYTES = 2 << 30  # the output: one model.safetensors up to this size, else shards of about this size

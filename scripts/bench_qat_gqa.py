@@ -123,9 +123,9 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    from compress.transforms import gqa
     from compress.data import load_texts
     from compress.format.models import load_model
+    from compress.transforms import gqa
     from eval.report import evaluate_model
 
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]

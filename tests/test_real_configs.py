@@ -150,8 +150,8 @@ def test_per_linear_exports(folders, real, tmp_path):
     compress's logits (tests/compress/exporters/test_families.py decodes the other two)."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from compress.format.checkpoint import load_quantized
     from compress.exporters.dispatch import export
+    from compress.format.checkpoint import load_quantized
 
     src = folders(real, CALIBRATED[real.id])
     tiny = tiny_config(real)

@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from compress.config import KV_INITS, UPTRAIN_SCOPES
 from compress.format.families import AttnLayout, require
-from compress.transforms.gqa_fit import FitProgress, FitResult
 from compress.train import TrainConfig, TrainProgress, TrainResult, distill
+from compress.transforms.gqa_fit import FitProgress, FitResult
 
 log = logging.getLogger(__name__)
 
@@ -264,8 +264,8 @@ def convert_to_folder(model_spec: str, kv_heads: int, out: str, uptrain_steps: i
     (to measure what the conversion alone costs; quantize with ``kv_heads`` in a recipe to combine)."""
     from pathlib import Path
 
-    from compress.format.checkpoint import atomic_dir
     from compress.data import calibration_batches
+    from compress.format.checkpoint import atomic_dir
     from compress.format.models import load_model
 
     if Path(out).exists() and not overwrite:

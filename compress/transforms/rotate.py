@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from compress.transforms.hadamard import random_hadamard
 from compress.format.families import FAMILIES, BlockMap, Residual, require
+from compress.transforms.hadamard import random_hadamard
 
 log = logging.getLogger(__name__)
 ROTATIONS = ("none", "hadamard")

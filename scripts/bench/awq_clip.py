@@ -27,8 +27,8 @@ def direct_search(x, w, scheme, grid, max_shrink=0.5, chunk=256):
 
 
 def main() -> None:
-    from compress.methods.awq import search_clip
     from compress.format.quant import Scheme
+    from compress.methods.awq import search_clip
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)

@@ -36,9 +36,9 @@ def hessians(model, tokens) -> dict:
 
 
 def errors(w, h, scheme) -> dict:
+    from compress.config import GPTQOptions
     from compress.format import quant
     from compress.methods.common import gptq_solver
-    from compress.config import GPTQOptions
 
     def err(qw):
         d = qw.dequantize() - w

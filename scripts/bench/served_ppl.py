@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from compress.format.checkpoint import quantized_modules
     from compress.data import load_texts
+    from compress.format.checkpoint import quantized_modules
     from compress.format.models import load_model
     from eval.perplexity import perplexity
     from runtime.lm import EngineLM

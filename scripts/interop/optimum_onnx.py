@@ -20,8 +20,8 @@ def export(work: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
-    from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
     from compress.exporters.dispatch import export as export_model
+    from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
     from compress.format.qlinear import QuantLinear
     from compress.format.quant import Scheme
     from compress.methods.rtn import quantize_weight

@@ -8,10 +8,10 @@ from safetensors.torch import load_file
 
 from compress import calibrate
 from compress.config import load_recipe
+from compress.format.shards import shard_files
 from compress.job import quantize_to_folder
 from compress.memory import plan, plan_offload
 from compress.offload import DiskTensors
-from compress.format.shards import shard_files
 from tiny_models import tiny_model
 
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 from tiny_models import FAMILIES, tiny_model, loud_channels
 
-from compress.format.checkpoint import build_quantization_config, load_quantized, quantized_modules, save_quantized
 from compress.config import QuantizeConfig
-from compress.pipeline import quantize_model
+from compress.format.checkpoint import build_quantization_config, load_quantized, quantized_modules, save_quantized
 from compress.format.qlinear import QuantLinear
+from compress.pipeline import quantize_model
 
 METHODS = {
     "rtn": dict(method="rtn", bits=4, group_size=32),

@@ -38,7 +38,7 @@ READS = {
 }
 # a MoE model's experts read the same (qat refuses MoE models), and how many routed tokens calibrate one
 # (guided GPTQ weights the dense linears' tokens only: the experts are compared alone here, so it is not listed;
-# sequential: false is refused on a MoE model, tests/compress/test_gptq_fp.py)
+# sequential: false is refused on a MoE model, tests/compress/methods/test_gptq_fp.py)
 # the experts are not judged against RTN: they fit on every calibration window, held out or not
 MOE_READS = {m: READS[m] - {"guided", "guided_mix", "guided_nsamples", "sequential"} - FALLBACK
              | ({"moe_min_tokens"} if m in ("gptq", "awq") else set()) for m in ("rtn", "nf4", "gptq", "awq")}
@@ -80,7 +80,7 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
     "rounding": {m: REFUSED for m in ("rtn", "nf4", "gptq", "qat")},
     **{f: {m: "QAT only" for m in PTQ} for f in QAT},
     # read through the scheme by compress/format/quant.py (and qat's learned zeros), but it changes only groups that
-    # min/max rounding gives zero 0, which these random models lack: tests/compress/test_quant.py tests it
+    # min/max rounding gives zero 0, which these random models lack: tests/compress/format/test_quant.py tests it
     "zero_floor": {**{m: "changes no group of these random models" for m in ("rtn", "gptq", "awq", "qat")},
                    "nf4": REFUSED},
     **{f: {m: "nothing calibrated to judge against RTN (qat's init fits on every window)" for m in ("rtn", "nf4", "qat")}

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from compress.config import load_recipe
-from compress.job import quantize_to_folder
 from compress.format.shards import INDEX
+from compress.job import quantize_to_folder
 from folders import folder_tensors, save_tiny
 from peak import reset_peak
 from tiny_models import tiny_model

@@ -53,8 +53,8 @@ def test_unknown_task_and_bad_limit(make_lm, char_tokenizer):
 
 def test_model_with_a_quantized_embedding_is_scored(make_lm, smol_tokenizer):
     """HFLM re-ties a given model's embeddings; a tied int8 QuantEmbedding (recipes' `embed: int8`) has no .weight."""
-    from compress.methods.embed_head import OuterPlan, quantize_outer
     from compress.format.quant import Scheme
+    from compress.methods.embed_head import OuterPlan, quantize_outer
 
     model = make_lm("llama", vocab=len(smol_tokenizer), tie=True)
     quantize_outer(model, OuterPlan(Scheme(bits=8, group_size=-1), None, True))

@@ -321,8 +321,8 @@ def test_float16_is_refused_where_activations_overflow_it(tmp_path, monkeypatch)
 def test_compress_quantized_moe_matches_the_torch_quantized_model(tiny_dirs, tmp_path, calib_text, family, method):
     """A `compress quantize` MoE folder (packed experts) served by the engine gives the greedy tokens of the
     same folder loaded by compress's own loader (transformers with QuantLinear and PackedMoEExperts)."""
-    from compress.format.checkpoint import load_quantized
     from compress.config import QuantizeConfig
+    from compress.format.checkpoint import load_quantized
     from compress.format.moe_packed import PackedMoEExperts
     from compress.job import quantize_to_folder
 

@@ -51,10 +51,10 @@ def _dense(family: str, hidden: int = 64):
 def _moe(family: str, scheme: Scheme):
     from tiny_models import tiny_model
 
-    from compress.methods.common import moe
     from compress.calibrate import decoder_layers
     from compress.config import QuantizeConfig
     from compress.format.families import FAMILIES
+    from compress.methods.common import moe
 
     model = tiny_model(family, vocab=VOCAB, hidden=128)  # expert widths 96 / 128: whole 32-wide blocks
     cfg = QuantizeConfig(method="rtn", bits=scheme.bits, group_size=scheme.group_size, sym=scheme.sym)

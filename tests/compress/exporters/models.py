@@ -49,8 +49,8 @@ def act_order_map(in_features: int, scheme: Scheme, gen: torch.Generator) -> tor
 def quantize_model(model: nn.Module, scheme: Scheme, act_order: bool = False, seed: int = 0,
                    skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
     """RTN every nn.Linear except ``skip`` into QuantLinear (act-order: a random g_idx with its own qparams)."""
-    from compress.format.quant import compute_qparams, quantize
     from compress.format.quant import QuantizedWeight
+    from compress.format.quant import compute_qparams, quantize
 
     gen = torch.Generator().manual_seed(seed)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.split(".")[-1] not in skip]

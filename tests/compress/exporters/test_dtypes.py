@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import byte_tokenizer, tiny_model
 
-from compress.format.checkpoint import load_quantized
 from compress.exporters.dispatch import FORMATS, export
 from compress.exporters.dtypes import choose, first_overflow
+from compress.format.checkpoint import load_quantized
 
 from compress.format.quant import Scheme
 

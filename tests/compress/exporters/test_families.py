@@ -11,8 +11,8 @@ import pytest
 import torch
 from tiny_models import BLOCK_VARIANTS, FAMILIES, MOE_FAMILIES, one_thread, quantize_tiny
 
-from compress.format.checkpoint import load_quantized, quantized_modules
 from compress.exporters.dispatch import export
+from compress.format.checkpoint import load_quantized, quantized_modules
 from compress.format.families import supports
 
 from .test_awq import reference_dequantize as awq_dequantize

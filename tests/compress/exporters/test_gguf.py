@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from compress.format.checkpoint import load_quantized
 from compress.exporters.dispatch import export
 from compress.exporters.gguf import GGUFOptions
+from compress.format.checkpoint import load_quantized
 from compress.format.quant import Scheme
 
 from .gguf_models import CHAT_TEMPLATE, DENSE, MOE, VOCAB, build, rope_interleave

@@ -3,8 +3,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from compress.format import gguf_dequant
 from compress.exporters.dispatch import export
+from compress.format import gguf_dequant
 from compress.format.quant import Scheme
 from compress.format.shards import INDEX, shard_files
 

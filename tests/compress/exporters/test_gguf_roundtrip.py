@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from compress.format.checkpoint import load_quantized
 from compress.exporters.dispatch import export
 from compress.exporters.gguf import GGUFOptions
+from compress.format.checkpoint import load_quantized
 from compress.format.models import load_model
 from compress.format.quant import Scheme
 

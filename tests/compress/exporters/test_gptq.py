@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from compress.format.checkpoint import load_quantized, quantized_modules
 from compress.exporters.dispatch import export
+from compress.format.checkpoint import load_quantized, quantized_modules
 
 
 def _unpack_rows(words: np.ndarray, bits: int) -> np.ndarray:

@@ -5,8 +5,8 @@ import pytest
 import torch
 from tiny_models import tiny_config
 
-from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.config import QuantizeConfig
+from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.pipeline import quantize_model
 
 from .gguf_models import bpe_tokenizer

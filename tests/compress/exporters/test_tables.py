@@ -199,8 +199,8 @@ def test_onnx_int4_runs_the_embedding_and_head_from_our_codes(small, tmp_path, c
     MatMulNBits; ONNX Runtime's logits equal the checkpoint's."""
     onnx = pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
-    from compress.format.checkpoint import load_quantized, quantized_modules
     from compress.exporters.onnx_runner import OnnxCausalLM
+    from compress.format.checkpoint import load_quantized, quantized_modules
 
     src = small(*case)
     out = export(str(src), "onnx-int4", tmp_path / "o")

@@ -14,12 +14,12 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import FAMILIES, MOE_FAMILIES, one_thread, tiny_model
 
-from compress.format.checkpoint import load_quantized
 from compress.config import load_recipe
-from compress.methods.embed_head import OUTER_SCHEMES
 from compress.exporters.dispatch import export
+from compress.format.checkpoint import load_quantized
 from compress.format.families import supports
 from compress.job import quantize_to_folder
+from compress.methods.embed_head import OUTER_SCHEMES
 from compress.methods.rtn import quantize_weight
 
 from .gguf_models import bpe_tokenizer

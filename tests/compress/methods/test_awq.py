@@ -1,8 +1,8 @@
 import torch
 
 from compress.format import quant
-from compress.methods import awq
 from compress.format.quant import Scheme
+from compress.methods import awq
 
 
 def test_awq_beats_rtn_on_outlier_input_channels():

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from compress.config import QuantizeConfig, load_recipe
-from compress.methods.embed_head import OUTER_SCHEMES, outer_scheme, plan_outer, quantize_table, row_slabs
-from compress.job import quantize_to_folder
 from compress.format.quant import compute_qparams, dequantize, quantize
+from compress.job import quantize_to_folder
+from compress.methods.embed_head import OUTER_SCHEMES, outer_scheme, plan_outer, quantize_table, row_slabs
 from folders import folder_tensors, save_tiny
 from tiny_models import tiny_model
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from compress.calibrate import capture_inputs, decoder_layers, target_linears
+from compress.config import QuantizeConfig
 from compress.format import quant
 from compress.methods import gptq
 from compress.methods.common import gptq_solver
-from compress.calibrate import capture_inputs, decoder_layers, target_linears
-from compress.config import QuantizeConfig
 from compress.methods.common.guided import quantized_linears, token_weights
 from compress.pipeline import quantize_model
 

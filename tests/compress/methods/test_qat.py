@@ -4,12 +4,12 @@ import pytest
 import torch
 from tiny_models import FAMILIES, tiny_model
 
-from compress.methods import qat
-from compress.format.checkpoint import build_quantization_config, load_quantized, quantized_modules, save_quantized
 from compress.config import QuantizeConfig
-from compress.pipeline import METHODS, quantize_model
+from compress.format.checkpoint import build_quantization_config, load_quantized, quantized_modules, save_quantized
 from compress.format.qlinear import QuantLinear
 from compress.format.quant import Scheme, compute_qparams, dequantize, quantize
+from compress.methods import qat
+from compress.pipeline import METHODS, quantize_model
 from compress.train import cosine_factor, evaluate_kl
 
 

@@ -4,13 +4,13 @@ import pytest
 import torch
 from tiny_models import FAMILIES as TINY, MOE_FAMILIES, tiny_config
 
-from compress.transforms import gqa
-from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.config import QuantizeConfig
+from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.format.families import supports
-from compress.pipeline import quantize_model
 from compress.format.qlinear import QuantLinear
+from compress.pipeline import quantize_model
 from compress.train import evaluate_kl
+from compress.transforms import gqa
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "granite")
 ALL = TINY + MOE_FAMILIES  # phi3 (fused qkv_proj), olmo2 and olmoe (k_norm over all heads): refused

@@ -4,10 +4,10 @@ import pytest
 import torch
 from test_gqa import _batches, _ids, _model
 
-from compress.transforms import gqa
 from compress.config import QuantizeConfig
-from compress.transforms.gqa_fit import AttentionIO, fit_attention, fit_to_teacher, relative_error
 from compress.pipeline import quantize_model
+from compress.transforms import gqa
+from compress.transforms.gqa_fit import AttentionIO, fit_attention, fit_to_teacher, relative_error
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

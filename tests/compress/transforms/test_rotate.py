@@ -95,8 +95,8 @@ def _batches(n=4, seqlen=32, seed=0):
 @pytest.mark.parametrize("recipe", ["rot-awq-gptq4", "rot-qat4", pytest.param("rot-gptq4", marks=pytest.mark.slow),
                                     pytest.param("rot-gptq3", marks=pytest.mark.slow)])
 def test_recipes_end_to_end_on_a_tiny_model(recipe, tmp_path):
-    from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
     from compress.config import load_recipe
+    from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
     from compress.pipeline import quantize_model
 
     cfg = load_recipe(recipe).replace(nsamples=8, seqlen=32, batch_size=2, search_tokens=128, clip_tokens=64, steps=2,

@@ -10,12 +10,12 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from compress.methods.common import fallback
-from compress.format import quant
-from compress.methods.common import gptq_solver
 from compress.config import QuantizeConfig
-from compress.pipeline import quantize_model
+from compress.format import quant
 from compress.format.quant import Scheme
+from compress.methods.common import fallback
+from compress.methods.common import gptq_solver
+from compress.pipeline import quantize_model
 
 SCHEME = Scheme(bits=4, group_size=32, sym=False)
 

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from compress.format import quant
-from compress.methods.common import gptq_solver
 from compress.config import GPTQOptions
+from compress.format import quant
 from compress.format.quant import Scheme
+from compress.methods.common import gptq_solver
 
 
 def _layer(seed=0, n=2048, d_in=96, d_out=48):

@@ -4,9 +4,9 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from compress.methods.common import gptq_solver
 from compress.calibrate import capture_inputs, decoder_layers
 from compress.config import QuantizeConfig
+from compress.methods.common import gptq_solver
 from compress.methods.common.guided import token_weights
 from compress.pipeline import quantize_model
 
@@ -89,8 +89,8 @@ def test_guided_is_refused_where_no_gptq_hessian_reads_it():
                                             ("phi3", "guided-gptq4"), ("qwen2", "guided-gptq3"),
                                             ("mistral", "guided-qat4")])
 def test_guided_recipe_end_to_end_saved_and_reloaded(family, recipe, tmp_path):
-    from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
     from compress.config import load_recipe
+    from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 
     cfg = load_recipe(recipe).replace(nsamples=4, seqlen=12, batch_size=2, group_size=32, steps=2)
     base = tiny_model(family, layers=2)

@@ -5,16 +5,16 @@ import pytest
 import torch
 from tiny_models import MOE_FAMILIES, NUM_EXPERTS, tiny_config, tiny_model
 
-from compress.methods.common import moe
-from compress.format import quant
 from compress.calibrate import decoder_layers
-from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.config import QuantizeConfig
+from compress.format import quant
+from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.format.families import FAMILIES
 from compress.format.moe_packed import PackedLinears, PackedMoEExperts, packed_moe_forward
-from compress.pipeline import quantize_model
 from compress.format.qlinear import QuantLinear
 from compress.format.quant import Scheme
+from compress.methods.common import moe
+from compress.pipeline import quantize_model
 
 E = NUM_EXPERTS
 

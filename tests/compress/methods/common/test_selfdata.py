@@ -4,9 +4,9 @@ import pytest
 import torch
 from tiny_models import FAMILIES, one_thread, tiny_model
 
-from compress.methods.common import selfdata
-from compress.methods import qat
 from compress.config import QATOptions
+from compress.methods import qat
+from compress.methods.common import selfdata
 
 
 def _reference(model, n, seqlen, seed):
