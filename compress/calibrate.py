@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 class Progress(Protocol):
     """(done, total) of a pass over ``unit``s: blocks (calibration, KV fitting), or windows (QAT sampling its own
-    training text, compress/methods/common/selfdata.py). A new pass begins at done == 1 or with another unit (sampling reports
-    once per batch of windows, so its first call may be done > 1)."""
+    training text, compress/methods/common/selfdata.py). A new pass begins at done == 1 or with another unit (sampling
+    reports once per batch of windows, so its first call may be done > 1)."""
 
     def __call__(self, done: int, total: int, unit: str = "block") -> None: ...
 
@@ -199,8 +199,8 @@ class Run:
     progress: Progress | None = None
     train_progress: TrainProgress | None = None
     store: BlockStore = IN_MEMORY  # where the blocks' weights live (compress/stream.py streams them)
-    # a mixture-of-experts model's expert step, run after each block's linears (compress/methods/common/moe.py BlockExperts):
-    # ``experts(i, block, inputs=None, expert=None) -> records``; None for a dense model
+    # a mixture-of-experts model's expert step, run after each block's linears (compress/methods/common/moe.py
+    # BlockExperts): ``experts(i, block, inputs=None, expert=None) -> records``; None for a dense model
     experts: Callable[..., list[dict]] | None = None
     teacher: nn.Module | None = None  # the fp model to distil from, when an earlier step kept one
     # QAT's GPTQ init (compress/methods/qat.py): GPTQ puts each linear's pre-rounding weights here, keyed by the linear

@@ -94,19 +94,19 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
         # gradients + Adam's two moments, and one step's graph; the fp teacher
         training, teacher = 3 * whole + _train_graph(cfg, len(layers), hidden, widest, text.vocab_size), whole
     gradients = 0
-    if cfg.gptq_rounding and cfg.gptq.guided:  # compress/methods/common/guided.py: one sequence's graph, the blocks checkpointed
+    if cfg.gptq_rounding and cfg.gptq.guided:  # methods/common/guided.py: one sequence's graph, the blocks checkpointed
         gradients = _gradient_graph(cfg.seqlen, len(layers), hidden, widest, block, text.vocab_size)
     phased = cfg.method == "qat" and cfg.qat.init != "rtn"  # compress/methods/qat.py: init_ptq returns, then training
     return MemoryPlan(whole + block, activations, statistics, training, gradients, teacher, phased, outer)
 
 
 def _gradient_graph(seqlen: int, n_layers: int, hidden: int, widest: int, block: int, vocab: int) -> int:
-    """What guided GPTQ's backward over one sequence holds (compress/methods/common/guided.py): each block's fp32 input and its
-    gradient (checkpointed), one block's recomputed activations (~50 values of its widths per token, the old
-    per-layer figure) with its bfloat16 weights, the head's bfloat16 weight, and per vocabulary entry and position
-    the bfloat16 logits, their float32 copy, the log-softmax kept for the backward, its gradient and that
-    gradient's bfloat16 copy (16 bytes; 20 with slack). The Qwen2.5-1.5B shape (28 blocks, 151,936 entries, 512
-    positions) peaked 2.5 GiB over the loaded model's resident set (VmHWM 10.40 GiB); this counts 2.62 GiB."""
+    """What guided GPTQ's backward over one sequence holds (compress/methods/common/guided.py): each block's fp32 input
+    and its gradient (checkpointed), one block's recomputed activations (~50 values of its widths per token, the old
+    per-layer figure) with its bfloat16 weights, the head's bfloat16 weight, and per vocabulary entry and position the
+    bfloat16 logits, their float32 copy, the log-softmax kept for the backward, its gradient and that gradient's
+    bfloat16 copy (16 bytes; 20 with slack). The Qwen2.5-1.5B shape (28 blocks, 151,936 entries, 512 positions) peaked
+    2.5 GiB over the loaded model's resident set (VmHWM 10.40 GiB); this counts 2.62 GiB."""
     return (2 * n_layers * seqlen * hidden * 4 + 5 * seqlen * (10 * hidden + 4 * widest) * 4 + block // 2
             + vocab * hidden * 2 + seqlen * vocab * 20)
 
@@ -115,11 +115,11 @@ TOKENIZER_BYTES_PER_TOKEN = 1024  # a folder's tokenizer: ~150 B per token measu
 
 
 def outer_bytes(model: nn.Module, cfg, streamed: bool) -> int:
-    """Beyond the weights counted elsewhere, what the embedding and an untied head cost while quantizing: streamed,
-    a source slab as read, its fp32 copy and the previous fp32 slab still referenced (compress/format/shards.py SLAB_BYTES,
-    16-bit sources); in memory, the tables' 16-bit source pages while loading and their 16-bit copies while saving;
-    both, the packed codes of quantized tables with one chunk's temporaries (compress/methods/embed_head.py), and the
-    tokenizer of the vocabulary."""
+    """Beyond the weights counted elsewhere, what the embedding and an untied head cost while quantizing: streamed, a
+    source slab as read, its fp32 copy and the previous fp32 slab still referenced (compress/format/shards.py
+    SLAB_BYTES, 16-bit sources); in memory, the tables' 16-bit source pages while loading and their 16-bit copies while
+    saving; both, the packed codes of quantized tables with one chunk's temporaries (compress/methods/embed_head.py),
+    and the tokenizer of the vocabulary."""
     from compress.format.shards import SLAB_BYTES
     from compress.methods.embed_head import CHUNK_VALUES, head_scheme, plan_outer
 

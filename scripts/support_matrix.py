@@ -1,5 +1,5 @@
-"""Write the family x step support matrix into README.md from compress/format/families.py (``--check``: exit 1 if stale),
-with the published checkpoints whose configs the tests build tiny models from (tests/configs/<model_type>/).
+"""Write the family x step support matrix into README.md from compress/format/families.py (``--check``: exit 1 if
+stale), with the published checkpoints whose configs the tests build tiny models from (tests/configs/<model_type>/).
 
     python scripts/support_matrix.py            # rewrite the table between the README's markers
     python scripts/support_matrix.py --check    # fail when the README's table is not what the family table says

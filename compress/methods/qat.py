@@ -293,7 +293,8 @@ def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher:
     ids, self_seconds = with_self_data(ids, teacher, opts.self_data, cfg.seed, progress)
     if opts.init != "rtn":
         if ptq is None:
-            raise ValueError(f"QAT with init: {opts.init} needs that method's adapter (compress.pipeline.METHODS) as ptq")
+            raise ValueError(f"QAT with init: {opts.init} needs that method's adapter as ptq "
+                             "(compress.pipeline.METHODS)")
         fakes = init_ptq(model, cfg, batches, ptq, progress)
     else:
         fakes = init_rtn(model, cfg.scheme, cfg.ignore, opts.learn_zero, opts.lr_in_steps)

@@ -248,8 +248,9 @@ class TransformersLM(nn.Module):
 
 
 def load_transformers(src, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
-    """``src`` (a ``compress.format.models.ModelSource``) as a transformers causal LM, as ``compress.format.models.load_model``
-    loads it (quantized folders with QuantLinear layers, GGUF dequantized once), without its tokenizer."""
+    """``src`` (a ``compress.format.models.ModelSource``) as a transformers causal LM, as
+    ``compress.format.models.load_model`` loads it (quantized folders with QuantLinear layers, GGUF dequantized once),
+    without its tokenizer."""
     if src.quantized:
         from compress.format.checkpoint import load_quantized
 

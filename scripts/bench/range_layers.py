@@ -48,7 +48,8 @@ def errors(w, h, scheme) -> dict:
         opts = GPTQOptions(damp=0.05, act_order=True, static_groups=True, mse=mse)
         return gptq_solver.quantize_weight(w, h, scheme, opts, weighted_range).weight
 
-    return {"rtn": err(quant.quantize_weight(w, scheme)), "rtn weighted": err(quant.quantize_weight(w, scheme, h.diagonal())),
+    return {"rtn": err(quant.quantize_weight(w, scheme)),
+            "rtn weighted": err(quant.quantize_weight(w, scheme, h.diagonal())),
             "gptq": err(g()), "gptq mse": err(g(mse=True)), "gptq weighted": err(g(weighted_range=True))}
 
 

@@ -62,7 +62,8 @@ UNREAD = {
     "block_size": "GPTQ's lazy-update width: the same result, faster",
     **{f: "compress/job.py rounds the embedding and head after the method (tests/compress/methods/test_embed_head.py)"
        for f in ("embed", "head", "embed_group_size", "head_group_size", "embed_sym", "head_sym")},
-    "head_method": "compress/job.py calibrates an untied head after the method (tests/compress/methods/test_head_gptq.py)",
+    "head_method": "compress/job.py calibrates an untied head after the method "
+                   "(tests/compress/methods/test_head_gptq.py)",
 }
 REFUSED = "refused with a ValueError"
 DATA_FREE, PTQ = ("rtn", "nf4"), ("rtn", "nf4", "gptq", "awq")
@@ -86,7 +87,7 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
     **{f: {m: "nothing calibrated to judge against RTN (qat's init fits on every window)" for m in ("rtn", "nf4", "qat")}
        for f in FALLBACK},
     "moe_min_tokens": {**{m: "refused on a dense model; data-free experts count no tokens" for m in DATA_FREE},
-                       **{m: "refused on a dense model (compress/methods/common/moe.py)" for m in ("gptq", "awq", "qat")}},
+                       **{m: "refused on a dense model (methods/common/moe.py)" for m in ("gptq", "awq", "qat")}},
 }
 CHANGE = {
     "bits": 3, "group_size": 16, "sym": True, "seed": 1, "batch_size": 4, "calib_dtype": "bfloat16",

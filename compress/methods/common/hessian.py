@@ -23,7 +23,8 @@ class Hessian:
         return cls(torch.zeros(in_features, in_features, dtype=torch.float32))
 
     def add(self, x: Tensor, weight: Tensor | None = None) -> None:
-        """``x: [..., in]``; ``weight: [...]`` counts each token's ``x x^T`` that many times (compress/methods/common/guided.py)."""
+        """``x: [..., in]``; ``weight: [...]`` counts each token's ``x x^T`` that many times
+        (compress/methods/common/guided.py)."""
         x = x.reshape(-1, x.shape[-1]).float()
         if weight is not None:
             x = x * weight.reshape(-1, 1).sqrt()

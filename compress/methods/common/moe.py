@@ -37,7 +37,8 @@ def expert_layout(model: nn.Module, cfg) -> ExpertLayout | None:
         fused = [n for n, p in decoder_layers(model)[0].named_parameters() if p.ndim == 3]
         if fused:
             raise ValueError(f"model_type {mt!r} keeps fused 3D expert weights ({', '.join(fused)}) but "
-                             f"compress/format/families.py gives it no expert layout; supported MoE types: {', '.join(supported('moe'))}")
+                             f"compress/format/families.py gives it no expert layout; supported MoE types: "
+                             f"{', '.join(supported('moe'))}")
         if cfg.moe_min_tokens is not None:
             raise ValueError(f"moe_min_tokens={cfg.moe_min_tokens} applies to mixture-of-experts models, and "
                              f"{mt!r} is dense: remove it from the recipe")

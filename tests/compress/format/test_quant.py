@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compress.format.quant import (BITS, Scheme, compute_qparams, dequantize, find_params, group_index, mse_params, pack,
-                            per_word, quantize, unpack)
+from compress.format.quant import (BITS, Scheme, compute_qparams, dequantize, find_params, group_index, mse_params,
+                                   pack, per_word, quantize, unpack)
 
 
 @settings(max_examples=60, deadline=None)
