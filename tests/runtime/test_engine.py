@@ -212,8 +212,7 @@ def test_requests_from_another_thread(tiny_dirs):
 def test_quantized_checkpoint_matches_transformers_with_the_same_quantlinears(tmp_path, smol_tokenizer):
     from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
     from compress.format.qlinear import QuantLinear
-    from compress.format.quant import Scheme
-    from compress.methods.rtn import quantize_weight
+    from compress.format.quant import Scheme, quantize_weight
 
     hf = save_tiny("llama", tmp_path / "fp", smol_tokenizer)
     scheme = Scheme(bits=4, group_size=32, sym=False)
@@ -245,8 +244,7 @@ def rtn4_folder(hf, path) -> None:
     """``hf`` with every linear but the head replaced by its rtn4 QuantLinear (in place), saved as compress does."""
     from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
     from compress.format.qlinear import QuantLinear
-    from compress.format.quant import Scheme
-    from compress.methods.rtn import quantize_weight
+    from compress.format.quant import Scheme, quantize_weight
 
     scheme = Scheme(bits=4, group_size=32, sym=False)
     for name, mod in list(hf.named_modules()):

@@ -80,7 +80,7 @@ def test_layers_outside_the_common_scheme_are_listed_in_dynamic(tmp_path):
     model = quantize_model(tiny_model("llama"), Scheme(4, 32))
     from compress.format.checkpoint import set_module
     from compress.format.qlinear import QuantLinear
-    from compress.methods.rtn import quantize_weight
+    from compress.format.quant import quantize_weight
 
     down = model.model.layers[1].mlp.down_proj
     set_module(model, "model.layers.1.mlp.down_proj",

@@ -13,8 +13,7 @@ from compress.exporters.onnx_runner import OnnxCausalLM, greedy_generate
 from compress.exporters.packing import unpack_nibbles
 from compress.format.checkpoint import load_quantized, quantized_modules
 from compress.format.qlinear import QuantLinear
-from compress.format.quant import QuantizedWeight, Scheme, compute_qparams, quantize
-from compress.methods.rtn import quantize_weight
+from compress.format.quant import QuantizedWeight, Scheme, compute_qparams, quantize, quantize_weight
 
 
 def _layer(k: int, n: int, scheme: Scheme, act_order: bool = False, seed: int = 0) -> QuantLinear:

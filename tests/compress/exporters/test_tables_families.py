@@ -18,9 +18,9 @@ from compress.config import load_recipe
 from compress.exporters.dispatch import export
 from compress.format.checkpoint import load_quantized
 from compress.format.families import supports
+from compress.format.quant import quantize_weight
 from compress.job import quantize_to_folder
 from compress.methods.embed_head import OUTER_SCHEMES
-from compress.methods.rtn import quantize_weight
 
 from .gguf_models import bpe_tokenizer
 from .test_awq import reference_dequantize as awq_dequantize

@@ -147,7 +147,7 @@ def test_weighted_range_search_matches_a_brute_force_reference(scheme):
 
 @pytest.mark.parametrize("scheme", [Scheme(4, 32, False), Scheme(3, 32, True)])
 def test_weighted_range_beats_min_max_on_the_weighted_output_error(scheme):
-    from compress.methods.rtn import quantize_weight
+    from compress.format.quant import quantize_weight
 
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 128, generator=g) ** 3

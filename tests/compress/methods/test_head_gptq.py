@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from compress.config import QuantizeConfig, load_recipe
+from compress.format.quant import quantize_weight as rtn_weight
 from compress.job import quantize_to_folder
 from compress.methods.common.fallback import output_error
 from compress.methods.common.hessian import Hessian
 from compress.methods.embed_head import OUTER_SCHEMES, table_of
 from compress.methods.head_gptq import HeadHessians, head_hessians, quantize_head
-from compress.methods.rtn import quantize_weight as rtn_weight
 from folders import folder_tensors, save_tiny
 from tiny_models import tiny_model
 
