@@ -117,18 +117,27 @@ def test_the_method_rule_sees_methods():
     assert _arrows({"compress.methods.qat": {"compress.methods.awq"}}, _is_method, _is_method)
 
 
+def _private_imports(importer, source: str) -> list[str]:
+    """``from <source...> import _name`` statements in the modules ``importer`` accepts."""
+    found = []
+    for name, path in _modules().items():
+        if importer(name):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and _in(node.module or "", source):
+                    found += [f"{name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    return found
+
+
 def test_runtime_imports_only_format_and_nothing_private():
     """The runtime reads checkpoints through compress.format's public names and nothing else of compress."""
     edges = graph()
     assert _arrows(edges, lambda a: _in(a, "runtime"),
                    lambda b: _in(b, "compress") and not _in(b, "compress.format")) == []
-    private = []
-    for name, path in _modules().items():
-        if _in(name, "runtime"):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("compress"):
-                    private += [f"{name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
-    assert private == []
+    assert _private_imports(lambda a: _in(a, "runtime"), "compress") == []
+
+
+def test_format_is_used_through_public_names():
+    assert _private_imports(lambda a: not _in(a, "compress.format"), "compress.format") == []
 
 
 def test_compress_imports_nothing_from_eval():
