@@ -31,8 +31,7 @@ def quantize_rtn(model, bits: int = 4, group_size: int = 32):
     """Swap every decoder linear for a 4-bit RTN QuantLinear (in place) and return the model."""
     from compress.format.checkpoint import set_module
     from compress.format.qlinear import QuantLinear
-    from compress.format.quant import Scheme
-    from compress.format.quant import quantize_weight
+    from compress.format.quant import Scheme, quantize_weight
 
     scheme = Scheme(bits=bits, group_size=group_size)
     for name, m in list(model.named_modules()):

@@ -47,8 +47,7 @@ def test_prompt_lookup_is_token_identical():
 def test_quantized_parity_with_quantlinear(smollm2, tmp_path):
     from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized, set_module
     from compress.format.qlinear import QuantLinear
-    from compress.format.quant import Scheme
-    from compress.format.quant import quantize_weight
+    from compress.format.quant import Scheme, quantize_weight
 
     model, tok = smollm2
     scheme = Scheme(bits=4, group_size=64, sym=False)

@@ -6,8 +6,7 @@ from torch import nn
 
 from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
 from compress.format.qlinear import QuantLinear
-from compress.format.quant import Scheme
-from compress.format.quant import quantize_weight
+from compress.format.quant import Scheme, quantize_weight
 from tiny_models import byte_tokenizer  # noqa: F401  (the export tests' tokenizer)
 
 # hidden 72: a group of 32 leaves a ragged last group of 8; intermediate 128 divides
