@@ -126,7 +126,7 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
 
     from compress import api
     from compress.config import load_recipe
-    from compress.models import resolve
+    from compress.format.models import resolve
 
     overrides = {k: v for k, v in dict(calib=calib, nsamples=nsamples, seqlen=seqlen, bits=bits, group_size=group_size,
                                        sym=sym, act_order=act_order, seed=seed, kv_heads=kv_heads, kv_init=kv_init,
@@ -224,7 +224,7 @@ def eval_cmd(model_spec, baseline, server, tokenizer, api_key, served_model, con
     import json
     from pathlib import Path
 
-    from compress import api
+    from eval.api import evaluate
     from eval.progress import Bars
     from eval.report import format_table
 
@@ -240,8 +240,8 @@ def eval_cmd(model_spec, baseline, server, tokenizer, api_key, served_model, con
     _quiet_lm_eval()
     bars = Bars(quiet)
     try:
-        result = api.evaluate(model_spec, baseline, _csv(ppl), _csv(tasks), limit, seqlen, max_windows, batch_size,
-                              progress=bars, server=target)
+        result = evaluate(model_spec, baseline, _csv(ppl), _csv(tasks), limit, seqlen, max_windows, batch_size,
+                          progress=bars, server=target)
     finally:
         bars.close()
     click.echo(format_table(result))
@@ -414,7 +414,7 @@ def generate_cmd(model_spec, prompt, max_new_tokens, dtype, kv_cache_dtype):
 def serve(model_spec, host, port, api_key, max_queue, served_model_names, chat_template, kv_cache_memory,
           tool_call_parser, **engine):
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
-    from compress.memory import parse_size
+    from compress.format.host import parse_size
     from runtime.serve.server import serve as run_server
 
     if kv_cache_memory is not None:

@@ -11,6 +11,7 @@ compress/config.py): an unknown one is an error naming the known ones, as in a r
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from importlib import import_module
 from pathlib import Path
 
 
@@ -22,9 +23,9 @@ def quantize(model: str, recipe: str = "awq4", out: str | Path | None = None, *,
     """Quantize ``model`` (an embedded name, an HF folder or a .gguf file) with ``recipe`` (a bundled name or a
     YAML path) into the folder ``out`` [default: out/MODEL-RECIPE]; returns compress.job.QuantizeSummary."""
     from compress.config import FIELDS, load_recipe
+    from compress.format.host import parse_size
+    from compress.format.models import resolve
     from compress.job import quantize_to_folder
-    from compress.memory import parse_size
-    from compress.models import resolve
 
     cfg = load_recipe(recipe)
     unknown = sorted(set(overrides) - FIELDS)
@@ -45,15 +46,10 @@ def evaluate(model: str | None, baseline: str | None = None, ppl: Iterable[str] 
     """Held-out perplexity on each text in ``ppl``, accuracy on each lm-eval task, and size of ``model``, side by
     side with ``baseline``: ``{"baseline", "compressed", "delta", "settings"}`` (eval/report.py). ``server`` (a
     URL, or an eval/served.py ServerTarget) scores a running OpenAI-compatible server in place of ``model``."""
-    from eval.report import evaluate as run
-
-    if isinstance(server, str):
-        from eval.served import ServerTarget
-
-        server = ServerTarget(server)
-    kw = {} if progress is None else {"progress": progress}
-    return run(model, baseline_spec=baseline, ppl_sources=list(ppl), tasks=list(tasks), limit=limit, seqlen=seqlen,
-               max_windows=max_windows, batch_size=batch_size, server=server, **kw)
+    # eval/api.py holds it: compress imports nothing from eval (tests/test_imports.py checks the static graph, and
+    # allows this one lookup by name, made only when the function is called)
+    return import_module("eval.api").evaluate(model, baseline, ppl, tasks, limit, seqlen, max_windows, batch_size,
+                                              progress, server)
 
 
 def export(model: str, format: str, out: str | Path, *, overwrite: bool = False, dtype: str | None = None,

@@ -15,25 +15,28 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from compress.checkpoint import set_module
 from compress.errors import during
-from compress.mappings import KEEP_FP
+from compress.format.checkpoint import set_module
+from compress.format.mappings import KEEP_FP
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import QuantizedWeight
 from compress.offload import DiskTensors, empty_like
-from compress.qlinear import QuantLinear
-from compress.quant import QuantizedWeight
+
+if TYPE_CHECKING:
+    from compress.config import QuantizeConfig
 
 log = logging.getLogger(__name__)
 
 
 class Progress(Protocol):
     """(done, total) of a pass over ``unit``s: blocks (calibration, KV fitting), or windows (QAT sampling its own
-    training text, compress/selfdata.py). A new pass begins at done == 1 or with another unit (sampling reports
-    once per batch of windows, so its first call may be done > 1)."""
+    training text, compress/methods/common/selfdata.py). A new pass begins at done == 1 or with another unit (sampling
+    reports once per batch of windows, so its first call may be done > 1)."""
 
     def __call__(self, done: int, total: int, unit: str = "block") -> None: ...
 
@@ -63,7 +66,7 @@ class BlockInputs:
 
     def split(self, held: int) -> tuple["BlockInputs", "BlockInputs | None"]:
         """The inputs of the batches a method fits on, and of the last ``held`` ones (None when 0) that judge it
-        (compress/fallback.py)."""
+        (compress/methods/common/fallback.py)."""
         n = len(self.hidden) - held
         if not held:
             return self, None
@@ -210,15 +213,18 @@ class Run:
     progress: Progress | None = None
     train_progress: TrainProgress | None = None
     store: BlockStore = IN_MEMORY  # where the blocks' weights live (compress/stream.py streams them)
-    # a mixture-of-experts model's expert step, run after each block's linears (compress/moe.py BlockExperts):
-    # ``experts(i, block, inputs=None, expert=None) -> records``; None for a dense model
+    # a mixture-of-experts model's expert step, run after each block's linears (compress/methods/common/moe.py
+    # BlockExperts): ``experts(i, block, inputs=None, expert=None) -> records``; None for a dense model
     experts: Callable[..., list[dict]] | None = None
     teacher: nn.Module | None = None  # the fp model to distil from, when an earlier step kept one
-    # QAT's GPTQ init (compress/qat.py): GPTQ puts each linear's pre-rounding weights here, keyed by the linear
+    # QAT's GPTQ init (compress/methods/qat.py): GPTQ puts each linear's pre-rounding weights here, keyed by the linear
     latents: dict[nn.Module, Tensor] | None = None
     # the last ``holdout`` batches are held-out calibration windows: the method fits on the others and keeps RTN
-    # where it is better on these (compress/fallback.py); 0: every batch fits
+    # where it is better on these (compress/methods/common/fallback.py); 0: every batch fits
     holdout: int = 0
+    # QAT's init (compress/methods/qat.py): the adapter of method ``cfg.qat.init`` (awq or gptq), handed over by the
+    # pipeline so that QAT imports no other method; None otherwise
+    ptq: Method | None = None
 
     @property
     def fit_batches(self) -> list[Tensor] | None:
@@ -227,6 +233,9 @@ class Run:
     @property
     def held_batches(self) -> list[Tensor]:
         return self.batches[len(self.batches) - self.holdout:] if self.holdout else []
+
+
+Method = Callable[[nn.Module, "QuantizeConfig", Run], None]  # every method's adapter (compress/pipeline.py METHODS)
 
 
 def autocast_of(calib_dtype: str) -> torch.dtype | None:
@@ -288,3 +297,17 @@ def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
         if progress:
             progress(i + 1, len(layers))
     store.finished(inputs)
+
+
+def quantize_blocks(model: nn.Module, cfg: QuantizeConfig, run: Run,
+                    weight: Callable[[Tensor], QuantizedWeight]) -> None:
+    """The adapter of a data-free method (RTN, NF4): each block's linears by ``weight`` from their weights alone,
+    then its MoE experts."""
+    prefix = layers_name(model)
+
+    def per_block(i: int, block: nn.Module, _) -> None:
+        for name, lin in target_linears(block, cfg.ignore, f"{prefix}.{i}.").items():
+            swap_linear(block, name, lin, weight(lin.weight.data))
+        if run.experts is not None:
+            run.report.layers.extend(run.experts(i, block))
+    run_blocks(model, per_block, run.progress, run.store)

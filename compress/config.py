@@ -13,18 +13,18 @@ from pathlib import Path
 
 import yaml
 
-from compress.quant import Scheme
+from compress.format.quant import Scheme
 
 METHODS = ("rtn", "gptq", "awq", "nf4", "qat")  # compress/pipeline.py METHODS runs each
-QAT_INITS = ("rtn", "awq", "gptq")  # compress/qat.py: the PTQ result training starts from
+QAT_INITS = ("rtn", "awq", "gptq")  # compress/methods/qat.py: the PTQ result training starts from
 ROUNDINGS = ("rtn", "gptq")  # awq's final rounding
 TRAIN_DTYPES = ("bfloat16", "float32")
-KV_INITS = ("mean", "pca")  # compress/gqa.py
-UPTRAIN_SCOPES = ("blocks", "attn")  # compress/gqa.py: uptraining moves whole decoder blocks, or attention only
-ROTATIONS = ("none", "hadamard")  # compress/rotate.py: a randomized Hadamard folded into the weights
-# the input embedding and the LM head (compress/embed_head.py): kept as they are, or RTN codes of this width
+KV_INITS = ("mean", "pca")  # compress/transforms/gqa.py
+UPTRAIN_SCOPES = ("blocks", "attn")  # transforms/gqa.py: uptraining moves whole decoder blocks, or attention only
+ROTATIONS = ("none", "hadamard")  # compress/transforms/rotate.py: a randomized Hadamard folded into the weights
+# the input embedding and the LM head (compress/methods/embed_head.py): kept as they are, or RTN codes of this width
 OUTER_CHOICES = ("none", "int8", "int4")
-# how an untied LM head is rounded: RTN, or GPTQ on the final hidden states (compress/head_gptq.py)
+# how an untied LM head is rounded: RTN, or GPTQ on the final hidden states (compress/methods/head_gptq.py)
 HEAD_METHODS = ("rtn", "gptq")
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -44,8 +44,8 @@ class GPTQOptions:
     act_order: bool = False
     static_groups: bool = False
     mse: bool = False  # clip each group's grid to minimise H-diagonal-weighted rounding error
-    # weight each token in the Hessians by the squared loss gradient at the linear's output (compress/guided.py):
-    # one forward and backward pass of the whole fp model first; not streamed
+    # weight each token in the Hessians by the squared loss gradient at the linear's output
+    # (compress/methods/common/guided.py): one forward and backward pass of the whole fp model first; not streamed
     guided: bool = False
     # the gradient-weighted Hessian's share in the one GPTQ uses, the plain Hessian (every token once) the rest:
     # 1 is GuidedQuant's; below it the few tokens with the largest gradients weigh less (BENCHMARKS.md, issue 17)
@@ -54,7 +54,7 @@ class GPTQOptions:
     # plain Hessian still takes them all (a forward pass covers the rest): about half the pass's time at half
     guided_nsamples: int = 0
     # False: each block's Hessians on the fp model's activations (the fp block's outputs go on to the next block, and
-    # no quantized block is run: one forward per block, not two), compress/gptq.py
+    # no quantized block is run: one forward per block, not two), compress/methods/gptq.py
     sequential: bool = True
 
     def __post_init__(self):
@@ -92,11 +92,11 @@ class AWQOptions:
 
 @dataclass(frozen=True)
 class QATOptions:
-    """QAT: start from a PTQ result (init), then distil the fp model for ``steps`` (weights at lr, scales at
-    scale_lr). ``lr_in_steps``: lr counts in each group's grid steps (its initial scale) instead of the weight's
-    own units, so that layers whose ranges differ (a rotation's folded norms shrink some 3-4x) move alike.
-    ``self_data``: the share of the training windows that the fp model samples itself (compress/selfdata.py);
-    the PTQ init still calibrates on the calibration text."""
+    """QAT: start from a PTQ result (init), then distil the fp model for ``steps`` (weights at lr, scales at scale_lr).
+    ``lr_in_steps``: lr counts in each group's grid steps (its initial scale) instead of the weight's own units, so that
+    layers whose ranges differ (a rotation's folded norms shrink some 3-4x) move alike. ``self_data``: the share of the
+    training windows that the fp model samples itself (compress/methods/common/selfdata.py); the PTQ init still
+    calibrates on the calibration text."""
 
     init: str = "rtn"
     steps: int = 200
@@ -131,7 +131,8 @@ class QuantizeConfig:
     bits: int = 4
     group_size: int = 128
     sym: bool = False
-    zero_floor: int = 0  # 1: asymmetric zero points >= 1, so `export --format gptq` writes v1 (compress/quant.py)
+    # 1: asymmetric zero points >= 1, so `export --format gptq` writes v1 (compress/format/quant.py)
+    zero_floor: int = 0
     description: str = ""
     # calibration
     calib: str = "wiki"
@@ -143,12 +144,13 @@ class QuantizeConfig:
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
     awq: AWQOptions = field(default_factory=AWQOptions)
     qat: QATOptions = field(default_factory=QATOptions)
-    # before any method: fold the norms and rotate the residual stream and each value head (compress/rotate.py)
+    # before any method: fold the norms and rotate the residual stream and each value head
+    # (compress/transforms/rotate.py)
     rotate: str = "none"
     # the final rounding picks each group's range by the activation-weighted error (gptq's grid, awq's rtn)
     weighted_range: bool = False
     # gptq and awq keep plain RTN per layer (per AWQ smoothing group) where it is better on the last holdout share
-    # of the calibration windows, which the method does not fit on (compress/fallback.py)
+    # of the calibration windows, which the method does not fit on (compress/methods/common/fallback.py)
     fallback: bool = True
     holdout: float = 0.125
     # fp linears kept as they are (regular expressions searched in full module names)
@@ -162,11 +164,12 @@ class QuantizeConfig:
     uptrain_steps: int = 0
     uptrain_lr: float = 5e-5
     uptrain_scope: str = "blocks"  # what uptraining moves: whole decoder "blocks" or "attn" (attention) only
-    # moe: an expert routed fewer calibration tokens than this is RTN-quantized (None: compress.moe default)
+    # moe: an expert routed fewer calibration tokens than this is RTN-quantized (None: the default of
+    # compress/methods/common/moe.py)
     moe_min_tokens: int | None = None
-    # the input embedding and the LM head, by RTN (compress/embed_head.py): none (kept in the source's dtype), int8
-    # (per row, symmetric: llama.cpp's Q8_0 width) or int4 (groups of 32, asymmetric); a group size of 0 and a sym of
-    # None take the choice's own; on a tied model both name one tensor: set either, or both alike
+    # the input embedding and the LM head, by RTN (compress/methods/embed_head.py): none (kept in the source's dtype),
+    # int8 (per row, symmetric: llama.cpp's Q8_0 width) or int4 (groups of 32, asymmetric); a group size of 0 and a sym
+    # of None take the choice's own; on a tied model both name one tensor: set either, or both alike
     embed: str = "none"
     head: str = "none"
     embed_group_size: int = 0
@@ -175,7 +178,8 @@ class QuantizeConfig:
     head_sym: bool | None = None
     # a quantized head's rounding: rtn, or gptq on the quantized body's final (normed) hidden states over the
     # calibration windows, keeping RTN if that is better on the held-out ones; on a tied model the one table is rounded
-    # for the head and the lookups read the same codes (measured better than RTN on SmolLM2: compress/head_gptq.py)
+    # for the head and the lookups read the same codes (measured better than RTN on SmolLM2:
+    # compress/methods/head_gptq.py)
     head_method: str = "rtn"
 
     def __post_init__(self):
@@ -259,7 +263,7 @@ class QuantizeConfig:
 
     def outer_scheme(self, part: str) -> Scheme | None:
         """The RTN scheme of ``part`` ("embed" or "head"), or None when it stays full width."""
-        from compress.embed_head import outer_scheme
+        from compress.methods.embed_head import outer_scheme
 
         return outer_scheme(getattr(self, part), getattr(self, f"{part}_group_size"), getattr(self, f"{part}_sym"))
 

@@ -47,7 +47,7 @@ def model_type(spec: str | None) -> str:
         gguf = path if path.suffix == ".gguf" else next(iter(sorted(path.glob("*.gguf"))), None) if path.is_dir() \
             else None
         if gguf is None:
-            from compress.models import resolve  # an embedded name
+            from compress.format.models import resolve  # an embedded name
 
             src = resolve(spec)
             gguf = src.path / src.gguf_file if src.gguf_file else None

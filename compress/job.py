@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from compress.config import QuantizeConfig
 from compress.calibrate import BlockStore
-from compress.embed_head import head_scheme, plan_outer
-from compress.families import FAMILIES
+from compress.config import QuantizeConfig
+from compress.format.families import FAMILIES
 from compress.memory import check, plan_offload
+from compress.methods.embed_head import head_scheme, plan_outer
 from compress.pipeline import Progress, QuantizeReport, TrainProgress, quantize_model
 
 STREAM_METHODS = ("rtn", "nf4", "gptq", "awq")
@@ -100,7 +100,7 @@ def preflight(src, cfg: QuantizeConfig, trust_remote_code: bool) -> None:
     """Refuse, before any weight is read, a model whose family a step of ``cfg`` does not handle."""
     import json
 
-    from compress.families import check_config, require
+    from compress.format.families import check_config, require
 
     config_file = src.path / "config.json"
     if src.gguf_file or not config_file.is_file():  # a GGUF: transformers checks its architecture on load
@@ -115,7 +115,7 @@ def preflight(src, cfg: QuantizeConfig, trust_remote_code: bool) -> None:
     if cfg.method == "qat" and cfg.qat.self_data > 0:  # sampling needs a start token (transformers fills defaults)
         from transformers import AutoConfig
 
-        from compress.selfdata import start_token
+        from compress.methods.common.selfdata import start_token
         start_token(AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code))
 
 
@@ -124,7 +124,7 @@ def check_outer(src, cfg: QuantizeConfig, trust_remote_code: bool) -> str | None
     returns why the run cannot stream because of them (a calibrated untied head), or None."""
     if cfg.embed == "none" and cfg.head == "none":
         return None
-    from compress.models import source_config
+    from compress.format.models import source_config
 
     config = source_config(src, trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -140,8 +140,8 @@ def check_outer(src, cfg: QuantizeConfig, trust_remote_code: bool) -> str | None
 
 def _calibrated_head(model, cfg: QuantizeConfig, scheme, batches, progress, report: QuantizeReport, **streamed):
     """The head's GPTQ codes on the quantized body's final hidden states (``streamed``: the last block's outputs and
-    the head's weight, compress/head_gptq.py calibrate_head), its record in the report."""
-    from compress.head_gptq import calibrate_head
+    the head's weight, compress/methods/head_gptq.py calibrate_head), its record in the report."""
+    from compress.methods.head_gptq import calibrate_head
 
     t0 = time.perf_counter()
     res = calibrate_head(model, cfg, scheme, batches, progress, **streamed)
@@ -153,7 +153,7 @@ def _calibrated_head(model, cfg: QuantizeConfig, scheme, batches, progress, repo
 
 def stream_folder(src, trust_remote_code: bool) -> Path:
     """The safetensors folder to stream from: the model's own, or for a GGUF its dequantized cache."""
-    from compress.models import gguf_cache
+    from compress.format.models import gguf_cache
 
     if src.gguf_file:
         return gguf_cache(src)
@@ -178,7 +178,7 @@ def _calibration(cfg: QuantizeConfig, tokenizer):
 
 def _quantization_config(model, cfg: QuantizeConfig, calibration: dict, recipe: str | None, src,
                          report: QuantizeReport) -> dict:
-    from compress.checkpoint import build_quantization_config
+    from compress.format.checkpoint import build_quantization_config
 
     fell = {k: report.notes[k] for k in ("fallback", "head_calibration") if k in report.notes}  # RTN kept, and where
     return build_quantization_config(model, cfg.method, cfg.scheme, cfg.gptq.act_order and not cfg.gptq.static_groups,
@@ -187,10 +187,10 @@ def _quantization_config(model, cfg: QuantizeConfig, calibration: dict, recipe: 
 
 
 def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max_memory, offload):
-    from compress.checkpoint import atomic_dir
-    from compress.models import load_tokenizer
-    from compress.shards import ShardReader
-    from compress.embed_head import empty_outer
+    from compress.format.checkpoint import atomic_dir
+    from compress.format.models import load_tokenizer
+    from compress.format.shards import ShardReader
+    from compress.methods.embed_head import empty_outer
     from compress.stream import StreamedBlocks, skeleton, tied, write_side_files
 
     folder = stream_folder(src, trust_remote_code)
@@ -222,10 +222,10 @@ def _streamed(src, cfg, out, overwrite, recipe, progress, trust_remote_code, max
 
 def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_remote_code, allow_pickle, train_progress,
                max_memory, offload):
-    from compress.checkpoint import save_quantized
-    from compress.embed_head import quantize_outer
-    from compress.models import load_model
-    from compress.shards import ShardReader
+    from compress.format.checkpoint import save_quantized
+    from compress.format.models import load_model
+    from compress.format.shards import ShardReader
+    from compress.methods.embed_head import quantize_outer
     from compress.stream import outer_dtypes, skeleton, tied
 
     estimate, dtypes, offloaded = None, None, bool(offload)
@@ -236,7 +236,7 @@ def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_rem
         dtypes = outer_dtypes(skel, ShardReader(src.path))
     model, tokenizer, src = load_model(model_spec, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     if src.gguf_file:  # loaded from its fp32 cache: the tensors outside the blocks go back to 16 bits
-        from compress.models import gguf_cache
+        from compress.format.models import gguf_cache
 
         cache = gguf_cache(src)
         dtypes = outer_dtypes(skeleton(cache), ShardReader(cache), gguf=True)
@@ -268,7 +268,7 @@ def quantize_to_folder(model_spec: str, cfg: QuantizeConfig, out: str, overwrite
     """Quantize ``model_spec`` with ``cfg`` into ``out``. ``stream``: None streams where the method and the
     source allow it, True insists (an error says why not), False loads the whole model. ``offload_activations``:
     the calibration activations on disk beside ``out``; None: only when the run would not fit otherwise."""
-    from compress.models import resolve
+    from compress.format.models import resolve
 
     if Path(out).exists() and not overwrite:  # fail before any heavy work
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")

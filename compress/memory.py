@@ -9,50 +9,15 @@ of their vocabulary), which grows with the vocabulary, not the depth.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from torch import nn
 
+from compress.format.host import available_bytes, gib
+
 # python + torch + transformers + tokenizer and what a layer pass leaves resident: 0.7-0.9 GB measured before the
 # fallback's held-out forwards; SmolLM2 awq4 streamed then peaked at 1,855 MiB where 900 MiB here estimated 1,810
 BASE_BYTES = 1 << 30
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30,
-          "T": 1 << 40, "TB": 1 << 40, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``"8GB"``, ``"512 MiB"``, ``"1.5G"`` -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"cannot read memory size {text!r}; write e.g. 8GB, 512MB or 1.5GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def available_bytes() -> int | None:
-    """MemAvailable of this machine (Linux), or None where /proc/meminfo is missing."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-
-
-def trim() -> None:
-    """Give freed memory back to the OS. glibc keeps large freed chunks in its heap (its mmap threshold grows
-    with the sizes freed), so a loop that allocates and frees big tensors (a block at a time, a weight at a
-    time) otherwise creeps up in resident memory; elsewhere this does nothing."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass
 
 
 def _numel(module: nn.Module) -> int:
@@ -106,13 +71,13 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
     batch = min(cfg.batch_size, cfg.nsamples) if calib else 0
     tokens = (batch if offload else cfg.nsamples) * cfg.seqlen if calib else 0
     if cfg.method == "qat":  # QAT trains on token batches; only its PTQ start holds activations, of its own tokens
-        from compress.qat import PTQ_INIT_TOKENS
+        from compress.methods.qat import PTQ_INIT_TOKENS
         tokens = 0 if cfg.qat.init == "rtn" else min(tokens, PTQ_INIT_TOKENS)
     activations = 3 * tokens * hidden * 4  # a block's inputs, its outputs, and one batch's intermediates
     statistics = 0
     if cfg.gptq_rounding:
         # one block's Hessians (one per linear: shared ones counted as many), then GPTQ's working copy of the widest
-        # and the next factor made from it (compress/gptq.py)
+        # and the next factor made from it (compress/methods/gptq.py)
         statistics = sum(m.in_features ** 2 for m in linears) * 4 + 2 * widest ** 2 * 4
         if cfg.gptq.guided:  # the gradient pass's token weights: one float per token and linear, kept to the end
             statistics += len(linears) * len(layers) * cfg.nsamples * cfg.seqlen * 4
@@ -129,19 +94,19 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
         # gradients + Adam's two moments, and one step's graph; the fp teacher
         training, teacher = 3 * whole + _train_graph(cfg, len(layers), hidden, widest, text.vocab_size), whole
     gradients = 0
-    if cfg.gptq_rounding and cfg.gptq.guided:  # compress/guided.py: one sequence's graph, the blocks checkpointed
+    if cfg.gptq_rounding and cfg.gptq.guided:  # methods/common/guided.py: one sequence's graph, the blocks checkpointed
         gradients = _gradient_graph(cfg.seqlen, len(layers), hidden, widest, block, text.vocab_size)
-    phased = cfg.method == "qat" and cfg.qat.init != "rtn"  # compress/qat.py: init_ptq returns, then training
+    phased = cfg.method == "qat" and cfg.qat.init != "rtn"  # compress/methods/qat.py: init_ptq returns, then training
     return MemoryPlan(whole + block, activations, statistics, training, gradients, teacher, phased, outer)
 
 
 def _gradient_graph(seqlen: int, n_layers: int, hidden: int, widest: int, block: int, vocab: int) -> int:
-    """What guided GPTQ's backward over one sequence holds (compress/guided.py): each block's fp32 input and its
-    gradient (checkpointed), one block's recomputed activations (~50 values of its widths per token, the old
-    per-layer figure) with its bfloat16 weights, the head's bfloat16 weight, and per vocabulary entry and position
-    the bfloat16 logits, their float32 copy, the log-softmax kept for the backward, its gradient and that
-    gradient's bfloat16 copy (16 bytes; 20 with slack). The Qwen2.5-1.5B shape (28 blocks, 151,936 entries, 512
-    positions) peaked 2.5 GiB over the loaded model's resident set (VmHWM 10.40 GiB); this counts 2.62 GiB."""
+    """What guided GPTQ's backward over one sequence holds (compress/methods/common/guided.py): each block's fp32 input
+    and its gradient (checkpointed), one block's recomputed activations (~50 values of its widths per token, the old
+    per-layer figure) with its bfloat16 weights, the head's bfloat16 weight, and per vocabulary entry and position the
+    bfloat16 logits, their float32 copy, the log-softmax kept for the backward, its gradient and that gradient's
+    bfloat16 copy (16 bytes; 20 with slack). The Qwen2.5-1.5B shape (28 blocks, 151,936 entries, 512 positions) peaked
+    2.5 GiB over the loaded model's resident set (VmHWM 10.40 GiB); this counts 2.62 GiB."""
     return (2 * n_layers * seqlen * hidden * 4 + 5 * seqlen * (10 * hidden + 4 * widest) * 4 + block // 2
             + vocab * hidden * 2 + seqlen * vocab * 20)
 
@@ -150,13 +115,13 @@ TOKENIZER_BYTES_PER_TOKEN = 1024  # a folder's tokenizer: ~150 B per token measu
 
 
 def outer_bytes(model: nn.Module, cfg, streamed: bool) -> int:
-    """Beyond the weights counted elsewhere, what the embedding and an untied head cost while quantizing: streamed,
-    a source slab as read, its fp32 copy and the previous fp32 slab still referenced (compress/shards.py SLAB_BYTES,
-    16-bit sources); in memory, the tables' 16-bit source pages while loading and their 16-bit copies while saving;
-    both, the packed codes of quantized tables with one chunk's temporaries (compress/embed_head.py), and the
-    tokenizer of the vocabulary."""
-    from compress.embed_head import CHUNK_VALUES, head_scheme, plan_outer
-    from compress.shards import SLAB_BYTES
+    """Beyond the weights counted elsewhere, what the embedding and an untied head cost while quantizing: streamed, a
+    source slab as read, its fp32 copy and the previous fp32 slab still referenced (compress/format/shards.py
+    SLAB_BYTES, 16-bit sources); in memory, the tables' 16-bit source pages while loading and their 16-bit copies while
+    saving; both, the packed codes of quantized tables with one chunk's temporaries (compress/methods/embed_head.py),
+    and the tokenizer of the vocabulary."""
+    from compress.format.shards import SLAB_BYTES
+    from compress.methods.embed_head import CHUNK_VALUES, head_scheme, plan_outer
 
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     vocab, hidden, tied = text.vocab_size, text.hidden_size, bool(getattr(text, "tie_word_embeddings", False))
@@ -165,7 +130,7 @@ def outer_bytes(model: nn.Module, cfg, streamed: bool) -> int:
     schemes = [s for s in (plan.embed, plan.head) if s is not None]
     codes = sum(vocab * hidden * s.bits // 8 + vocab * s.n_groups(hidden) * 3 for s in schemes)
     work = CHUNK_VALUES * 48 if schemes else 0  # fp32 values, grouped copies, int64 codes while packing
-    if head_scheme(plan, cfg) is not None:  # compress/head_gptq.py: GPTQ's fp32 copy of the head, its
+    if head_scheme(plan, cfg) is not None:  # compress/methods/head_gptq.py: GPTQ's fp32 copy of the head, its
         work += 6 * 4 * vocab * hidden  # uint8 codes, both dequantized candidates and the held-out error's products
     reads = 5 * SLAB_BYTES if streamed else 2 * tables * 2
     return reads + codes + work + vocab * TOKENIZER_BYTES_PER_TOKEN

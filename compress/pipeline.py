@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 
 from torch import Tensor, nn
 
-from compress import awq, fallback, gptq, gqa, moe, nf4, qat, rotate, rtn
-from compress.calibrate import IN_MEMORY, BlockStore, Progress, QuantizeReport, Run, TrainProgress, layers_name
+from compress.calibrate import IN_MEMORY, BlockStore, Method, Progress, QuantizeReport, Run, TrainProgress, layers_name
 from compress.config import QuantizeConfig
+from compress.methods import awq, gptq, nf4, qat, rtn
+from compress.methods.common import fallback, moe
+from compress.transforms import gqa, rotate
 
 __all__ = ["METHODS", "Progress", "QuantizeReport", "TrainProgress", "quantize_model"]
-
-Method = Callable[[nn.Module, QuantizeConfig, Run], None]
 
 # every method behind one signature; int8 is rtn with bits: 8, AWQ with GPTQ rounding is awq with rounding: gptq
 METHODS: dict[str, Method] = {  # the names compress/config.py accepts (METHODS), in its order
@@ -55,7 +54,7 @@ def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] 
                    store: BlockStore = IN_MEMORY) -> QuantizeReport:
     """Quantize ``model`` in place with ``cfg``; ``batches`` of token ids are needed by gptq/awq/qat and
     uptraining. With ``cfg.kv_heads`` the KV heads are pooled (and uptrained) first; MoE experts are
-    quantized per expert by the method (compress/moe.py). ``store`` streams the blocks in and out
+    quantized per expert by the method (compress/methods/common/moe.py). ``store`` streams the blocks in and out
     (compress/stream.py) for the layer-by-layer methods."""
     report = QuantizeReport(cfg.method)
     t0 = time.perf_counter()
@@ -71,7 +70,8 @@ def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] 
     if cfg.fallback and cfg.method in FALLBACK_METHODS and batches:
         split = fallback.split_windows(batches, cfg.holdout)
         batches, held = split.fit + split.held, len(split.held)
-    run = Run(report, batches, progress, train_progress, store, experts, teacher, holdout=held)
+    ptq = METHODS[cfg.qat.init] if cfg.method == "qat" and cfg.qat.init != "rtn" else None  # QAT's PTQ init
+    run = Run(report, batches, progress, train_progress, store, experts, teacher, holdout=held, ptq=ptq)
     METHODS[cfg.method](model, cfg, run)
     if held:
         decisions = {n: r["choice"] for r in report.layers if "choice" in r for n in r["names"]}

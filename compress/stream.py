@@ -7,7 +7,7 @@ transformers' own checkpoint conversion, so fused MoE experts load as ``from_pre
 load them), writes its packed tensors to a part file once it is quantized, and sends it back to
 ``meta``; at the end the parts are regrouped into ``model.safetensors`` (or ~2 GB shards and an index). The embeddings and the untied head are never materialized: calibration looks up only
 the rows its tokens use, and both are copied to the output a slab of rows at a time (or, with ``embed``/``head``,
-quantized slab by slab: compress/embed_head.py). Every tensor
+quantized slab by slab: compress/methods/embed_head.py). Every tensor
 is computed exactly as on the in-memory path (fp32, the same per-block code), so the two paths write
 the same tensors; both keep the tensors outside the blocks (embeddings, head, final norm), which
 quantization does not touch, in the source's dtype (:func:`outer_dtypes`).
@@ -24,10 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from compress.calibrate import BlockInputs, BlockStore, capture_inputs, decoder_layers
-from compress.embed_head import OuterPlan, quantize_table, table_of
-from compress.memory import trim
-from compress.quant import QuantizedWeight
-from compress.shards import Lazy, ShardReader, consolidate, write_shard
+from compress.format.host import trim
+from compress.format.quant import QuantizedWeight
+from compress.format.shards import Lazy, ShardReader, consolidate, write_shard
+from compress.methods.embed_head import OuterPlan, quantize_table, table_of
 
 DTYPE = torch.float32  # blocks are materialized (and the other tensors written) as the in-memory path loads them
 MAX_SHARD_BYTES = 2 << 30  # the output: one model.safetensors up to this size, else shards of about this size

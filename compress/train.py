@@ -1,6 +1,6 @@
 """Distillation fine-tuning: a student learns its fp teacher's next-token distribution (KL divergence),
-with AdamW, a linear-warmup cosine schedule and gradient clipping. Shared by QAT (compress/qat.py, the
-student's linears fake-quantize their weights) and GQA uptraining (compress/gqa.py, the student has
+with AdamW, a linear-warmup cosine schedule and gradient clipping. Shared by QAT (compress/methods/qat.py, the
+student's linears fake-quantize their weights) and GQA uptraining (compress/transforms/gqa.py, the student has
 fewer KV heads). The caller chooses which parameters learn by passing them as ``param_groups``.
 """
 from __future__ import annotations

@@ -41,9 +41,9 @@ def evaluate_model(spec: str, texts: dict[str, list[str]], tasks: list[str], lim
                    max_windows: int | None, batch_size: int = 8, progress: StepProgress = no_progress) -> dict:
     """Load one model and measure its size, perplexity on each text and accuracy on each task;
     ``progress`` sees a stage per text (windows) and per task (requests), named after the model."""
-    from compress.checkpoint import quantized_modules
     from compress.exporters.onnx_runner import is_onnx_folder, load_causal_lm
-    from compress.models import load_model
+    from compress.format.checkpoint import quantized_modules
+    from compress.format.models import load_model
     from eval.perplexity import perplexity
     from eval.tasks import run_tasks
 

@@ -87,7 +87,7 @@ def connect(url: str, api_key: str | None = None, model: str | None = None, time
 
 def tokenizer_spec(endpoint: Endpoint, tokenizer: str | None) -> str:
     """Where the client's tokenizer comes from: ``tokenizer``, else the served folder when it is on this machine."""
-    from compress.models import resolve
+    from compress.format.models import resolve
 
     if tokenizer is not None:
         resolve(tokenizer)  # FileNotFoundError naming what is expected
@@ -105,7 +105,7 @@ def tokenizer_spec(endpoint: Endpoint, tokenizer: str | None) -> str:
 
 def tokenizer_folder(spec: str, scratch: Path) -> str:
     """A folder lm-eval's client can load the tokenizer of ``spec`` from (a GGUF's tokenizer is saved to ``scratch``)."""
-    from compress.models import load_tokenizer, resolve
+    from compress.format.models import load_tokenizer, resolve
 
     src = resolve(spec)
     if src.gguf_file is None:
@@ -216,7 +216,7 @@ def evaluate_server(target: ServerTarget, texts: dict[str, list[str]], tasks: li
     import time
     from dataclasses import asdict
 
-    from compress.models import load_tokenizer, resolve
+    from compress.format.models import load_tokenizer, resolve
 
     start = time.perf_counter()
     endpoint = connect(target.url, target.api_key, target.model)

@@ -15,7 +15,7 @@ MODEL_IMPLS = ("auto", "native", "transformers")  # runtime/models/dispatch.py
 class EngineConfig:
     """Everything the engine needs besides the requests.
 
-    ``model``/``draft`` are model specs for ``compress.models.resolve`` (a name such as
+    ``model``/``draft`` are model specs for ``compress.format.models.resolve`` (a name such as
     ``"smollm2-135m"``, an HF folder, a .gguf file, or a folder written by ``compress quantize``).
     ``draft="ngram"`` turns on prompt-lookup speculation (no second model).
     ``num_kv_blocks=None`` sizes the paged KV pool from ``kv_cache_memory`` bytes, an upper bound: on CPU the pool's

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from compress.memory import trim
+from compress.format.host import trim
 from runtime.kernels import lm_head as heads
 from runtime.kernels import qmatmul
 from runtime.kernels.attention import AttentionMetadata, fused_paged_attention, triton_paged_attention

@@ -7,7 +7,7 @@ Runs (each writes runs/qat_gqa/NAME/; an existing folder is reused unless --over
   qat4-learnzero      (not in the default set) learned integer zeros with an STE
   mqa                 3 -> 1 KV heads by mean pooling, fp, no uptraining
   mqa-uptrain         the same plus --uptrain-steps of distillation (at --uptrain-lr)
-  mqa-pca             3 -> 1 KV heads by activation-aware, RoPE-compatible merging (compress/gqa_pca.py)
+  mqa-pca             3 -> 1 KV heads by activation-aware, RoPE-compatible merging (compress/transforms/gqa_pca.py)
   mqa-pca-uptrain     the same plus --uptrain-steps of distillation (at --uptrain-lr)
   mqa-pca-fit         mqa-pca plus --fit-steps per layer fitting each attention to the original's outputs
   mqa-pca-fit-uptrain the same plus --uptrain-steps of distillation (recipes/mqa-awq4.yaml's GQA part)
@@ -62,7 +62,7 @@ def run_quant(name: str, out: Path, qat_steps: int | None, overwrite: bool) -> d
 
 def run_gqa(name: str, out: Path, uptrain_steps: int, lr: float, init: str, scope: str, fit_steps: int,
             fit_lr: float, overwrite: bool) -> dict:
-    from compress import gqa
+    from compress.transforms import gqa
 
     def fit_progress(layer: int, layers: int, before: float, after: float) -> None:
         print(f"{name} fit layer {layer}/{layers}: relative error {before:.4f} -> {after:.4f}", flush=True)
@@ -123,9 +123,9 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    from compress import gqa
     from compress.data import load_texts
-    from compress.models import load_model
+    from compress.format.models import load_model
+    from compress.transforms import gqa
     from eval.report import evaluate_model
 
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]

@@ -79,9 +79,9 @@ def write(out: Path, shape: str | dict, layers: int | None, tokenizer=None) -> N
     (default: the embedded SmolLM2's, which needs its package; scripts/bench/gpu_check_engine.py brings its own)."""
     from transformers import LlamaConfig
 
-    from compress.checkpoint import atomic_dir
-    from compress.models import load_tokenizer, resolve
-    from compress.shards import Lazy, shard_name, write_index, write_shard
+    from compress.format.checkpoint import atomic_dir
+    from compress.format.models import load_tokenizer, resolve
+    from compress.format.shards import Lazy, shard_name, write_index, write_shard
 
     c = {**(SHAPES[shape] if isinstance(shape, str) else shape), **({"num_hidden_layers": layers} if layers else {})}
     shapes = tensor_shapes(c)

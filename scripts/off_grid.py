@@ -35,7 +35,7 @@ def main() -> None:
     from torch import nn
 
     from compress.calibrate import decoder_layers
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")

@@ -1,5 +1,5 @@
-"""Write the family x step support matrix into README.md from compress/families.py (``--check``: exit 1 if stale),
-with the published checkpoints whose configs the tests build tiny models from (tests/configs/<model_type>/).
+"""Write the family x step support matrix into README.md from compress/format/families.py (``--check``: exit 1 if
+stale), with the published checkpoints whose configs the tests build tiny models from (tests/configs/<model_type>/).
 
     python scripts/support_matrix.py            # rewrite the table between the README's markers
     python scripts/support_matrix.py --check    # fail when the README's table is not what the family table says
@@ -27,9 +27,9 @@ def real_configs(model_type: str) -> str:
 
 
 def row(model_type: str) -> list[str]:
-    """One family's cells, read from its entry in compress/families.py and the export formats' flags."""
+    """One family's cells, read from its entry in compress/format/families.py and the export formats' flags."""
     from compress.exporters.dispatch import FORMATS
-    from compress.families import FAMILIES, supports
+    from compress.format.families import FAMILIES, supports
 
     fam = FAMILIES[model_type]
 
@@ -44,8 +44,8 @@ def row(model_type: str) -> list[str]:
 
 
 def table() -> str:
-    """The markdown table, one row per family of compress/families.py."""
-    from compress.families import FAMILIES
+    """The markdown table, one row per family of compress/format/families.py."""
+    from compress.format.families import FAMILIES
 
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row(t)) + " |" for t in FAMILIES]

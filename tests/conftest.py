@@ -22,7 +22,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """The real SmolLM2 tokenizer, read from the embedded GGUF (a few seconds, once per session)."""
-    from compress.models import load_tokenizer, resolve
+    from compress.format.models import load_tokenizer, resolve
 
     return load_tokenizer(resolve("smollm2-135m"))
 

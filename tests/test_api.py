@@ -16,7 +16,7 @@ def test_importing_the_packages_loads_nothing_heavy():
 
 
 def test_quantize_evaluate_and_generate_through_the_api(tiny_dir, calib_text, tmp_path):
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     out = tmp_path / "q"
     summary = compress.quantize(str(tiny_dir), recipe="gptq4", out=out, calib=str(calib_text), nsamples=4, seqlen=32,
@@ -99,7 +99,7 @@ def test_export_and_serve_name_a_missing_rope_field_before_loading(tmp_path):
 
 
 def test_rope_fields_per_layer_type_and_top_level_original_positions():
-    from compress.families import check_rope
+    from compress.format.families import check_rope
 
     check_rope({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0}, "original_max_position_embeddings": 8192})

@@ -30,7 +30,7 @@ def test_quantize_end_to_end_and_reload(tiny_dir, calib_text, tmp_path):
     assert qc["calibration"] == {"source": str(calib_text), "nsamples": 4, "seqlen": 32, "seed": 0}
     assert len(qc["modules"]) == 15  # 2 blocks x 7 linears, and gptq4's int8 head (tiny llama: untied)
     assert qc["embed"]["bits"] == 8 and qc["head"]["bits"] == 8 and not qc["head"]["tied"]
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     model, tok, src = load_model(str(out))
     assert src.quantized
@@ -79,7 +79,7 @@ def test_empty_or_short_calibration_source(text, msg, tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("stream,writer", [("--stream", "compress.stream.write_shard"),
-                                           ("--no-stream", "compress.checkpoint._unique_state")])
+                                           ("--no-stream", "compress.format.checkpoint._unique_state")])
 def test_failure_mid_write_leaves_nothing(tiny_dir, tmp_path, monkeypatch, stream, writer):
     def boom(*a, **k):
         raise OSError("disk full")
@@ -97,7 +97,7 @@ def test_a_fault_inside_a_step_is_one_line_naming_step_model_and_block(tiny_dir,
     def boom(*a, **k):
         raise AssertionError("Padding_idx must be within num_embeddings")
 
-    monkeypatch.setattr("compress.rtn.quantize_weight", boom)
+    monkeypatch.setattr("compress.methods.rtn.quantize_weight", boom)
     res = run(*(["-v"] if verbose else []), "quantize", "--recipe", "rtn4", "--model", tiny_dir, "--out",
               tmp_path / "q")
     lines = [line for line in res.output.splitlines() if line.startswith("error: ")]

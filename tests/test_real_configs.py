@@ -1,7 +1,7 @@
 """Tiny models built from published checkpoints' configs (tests/configs, shrunk by tests/real_configs.py) through
 every step: the shrink keeps every setting, quantizing streamed gives the in-memory bits (rtn4 and a calibrated
 recipe, gptq4 and awq4 alternating), the engine's greedy tokens equal transformers' on the quantized folder, and the
-folder exports to the formats compress/families.py allows for the family (ONNX aside: a trace per config is
+folder exports to the formats compress/format/families.py allows for the family (ONNX aside: a trace per config is
 5-10 s, which tests/compress/exporters/test_families.py spends once per family)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from real_configs import ID_KEYS, KEPT_IDS, SMALL_VOCAB, build, load_all, remap_id, shrunk, tiny_config
 from tiny_models import TINY_RECIPE, one_thread
 
-from compress.families import FAMILIES, supports
+from compress.format.families import FAMILIES, supports
 
 REALS = load_all()
 # gptq4 and awq4 alternate, but the tiny models 448 wide (Qwen's 7 query heads per KV head) take awq4: GPTQ's
@@ -100,7 +100,7 @@ def test_the_tiny_config_keeps_every_setting(real):
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from compress.shards import shard_files
+    from compress.format.shards import shard_files
 
     out = {}
     for f in shard_files(folder):
@@ -121,7 +121,7 @@ def test_streamed_equals_in_memory(folders, real, kind):
 def test_engine_greedy_matches_transformers(folders, real):
     """The runtime serves the streamed rtn4 folder with the greedy tokens of the same folder loaded into
     transformers by compress's loader (dequantizing kernels, fp32: the same numbers)."""
-    from compress.checkpoint import load_quantized
+    from compress.format.checkpoint import load_quantized
     from runtime.config import EngineConfig
     from runtime.engine import Engine
     from runtime.sequence import SamplingParams
@@ -150,8 +150,8 @@ def test_per_linear_exports(folders, real, tmp_path):
     compress's logits (tests/compress/exporters/test_families.py decodes the other two)."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from compress.checkpoint import load_quantized
     from compress.exporters.dispatch import export
+    from compress.format.checkpoint import load_quantized
 
     src = folders(real, CALIBRATED[real.id])
     tiny = tiny_config(real)
@@ -220,7 +220,7 @@ def _window_params():
 def test_engine_crosses_the_published_sliding_window(folders, real):
     """A prompt past the published window (Gemma 3's 512; Gemma 2's and DictaLM's 4,096 in the slow run): the engine's
     sliding layers attend to the last ``sliding_window`` positions as transformers' do, its full layers to all."""
-    from compress.checkpoint import load_quantized
+    from compress.format.checkpoint import load_quantized
     from runtime.config import EngineConfig
     from runtime.engine import Engine
     from runtime.sequence import SamplingParams

@@ -130,8 +130,8 @@ def quantize_tiny(family: str, recipe: str, folder=None, **overrides):
     (compress.pipeline), saved into ``folder`` as `compress quantize` saves it (with a tokenizer) when given."""
     import copy
 
-    from compress.checkpoint import build_quantization_config, save_quantized
     from compress.config import load_recipe
+    from compress.format.checkpoint import build_quantization_config, save_quantized
     from compress.pipeline import quantize_model
 
     cfg = load_recipe(recipe).replace(**{**TINY_RECIPE, **overrides})

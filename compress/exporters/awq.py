@@ -20,7 +20,7 @@ import torch
 from compress.exporters.common import (Source, export_config, fp_linear_names, fp_tensors, is_ragged, save_safetensors,
                                     write_side_files, zeros_of)
 from compress.exporters.packing import awq_interleave, dense_pack
-from compress.qlinear import QuantLinear
+from compress.format.qlinear import QuantLinear
 
 
 def check_embed(_) -> str:

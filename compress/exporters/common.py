@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from compress.checkpoint import quantized_modules
-from compress.families import require
-from compress.qlinear import QuantLinear
-from compress.quant import QuantizedWeight, unpack
+from compress.format.checkpoint import quantized_modules
+from compress.format.families import require
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import QuantizedWeight, unpack
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ def read_tables(path: Path | None, hidden: int) -> Tables:
 def _read_table(path: Path, entry: dict, hidden: int) -> QuantizedTable:
     from safetensors import safe_open
 
-    from compress.checkpoint import scheme_of
-    from compress.shards import shard_files
+    from compress.format.checkpoint import scheme_of
+    from compress.format.shards import shard_files
 
     name, scheme = entry["name"], scheme_of(entry)
     keys = {f"{name}.{k}" for k in ("qweight", "scales", "qzeros")}
@@ -114,7 +114,7 @@ def _read_table(path: Path, entry: dict, hidden: int) -> QuantizedTable:
 
 def load_source(spec: str) -> Source:
     """Load a compress quantized folder, a plain HF folder or an embedded model name, in float32."""
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     model, tokenizer, src = load_model(spec, dtype=torch.float32, dequantize_tables=True)  # codes: read_tables
     return Source(model.eval(), tokenizer, src.path)

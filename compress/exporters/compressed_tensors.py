@@ -30,8 +30,8 @@ import torch
 
 from compress.exporters.common import (Source, export_config, fp_linear_names, fp_tensors, is_ragged,
                                     save_safetensors, write_side_files)
-from compress.qlinear import QuantLinear
-from compress.quant import Scheme, pack
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import Scheme, pack
 
 FORMAT = "pack-quantized"
 BITS = (2, 4, 8)

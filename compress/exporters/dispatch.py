@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from compress.exporters.common import Source
-    from compress.qlinear import QuantLinear
+    from compress.format.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def carriers(m: QuantLinear) -> list[str]:
 
 def check_experts(source: Source, fmt: str) -> None:
     """Refuse packed MoE experts where the format writes tensors per nn.Linear only."""
-    from compress.moe_packed import PackedMoEExperts
+    from compress.format.moe_packed import PackedMoEExperts
 
     packed = [n for n, m in source.model.named_modules() if isinstance(m, PackedMoEExperts)]
     if packed and not FORMATS[fmt].experts:
@@ -148,11 +148,11 @@ def export(spec: str, fmt: str, out: str | Path, overwrite: bool = False, dtype:
            options: object | None = None, dequantize_embedding: bool = False) -> Path:
     """Export the model ``spec`` (a compress quantized folder, an HF folder or a model name) as ``fmt``; a
     quantized embedding the format has no codes for is refused unless ``dequantize_embedding``."""
-    from compress.checkpoint import atomic_dir
+    from compress.format.checkpoint import atomic_dir
     from compress.exporters import dtypes
     from compress.exporters.common import load_source
-    from compress.families import check_rope, require
-    from compress.models import declared_dtype, resolve, source_config
+    from compress.format.families import check_rope, require
+    from compress.format.models import declared_dtype, resolve, source_config
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; use one of: {', '.join(FORMATS)}")

@@ -28,10 +28,10 @@ from torch import Tensor, nn
 
 from compress.exporters import gguf_arch, gguf_quants
 from compress.exporters.common import QuantizedTable, Source, Tables, fp_tensors, tied_lm_head
-from compress.families import FAMILIES
-from compress.moe_packed import PackedLinears, PackedMoEExperts
-from compress.qlinear import QuantLinear
-from compress.quant import QuantizedWeight, Scheme
+from compress.format.families import FAMILIES
+from compress.format.moe_packed import PackedLinears, PackedMoEExperts
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import QuantizedWeight, Scheme
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import re
 import torch
 from torch import Tensor
 
-from compress.families import GGUFArch, require
+from compress.format.families import GGUFArch, require
 
 
 # Hugging Face module name -> GGUF tensor name ("weight"/"bias" is appended); blocks are "blk.{i}".

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from compress.quant import fp16_ceil
+from compress.format.quant import fp16_ceil
 
 BLOCK = 32
 SUPER_BLOCK = 256

@@ -29,8 +29,8 @@ import torch
 from compress.exporters.common import (Source, export_config, fp_linear_names, fp_tensors, group_map, save_safetensors,
                                     write_side_files, zeros_of)
 from compress.exporters.packing import dense_pack
-from compress.qlinear import QuantLinear
-from compress.quant import Scheme
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import Scheme
 
 BITS = (2, 3, 4, 8)
 

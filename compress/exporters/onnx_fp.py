@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compress.checkpoint import set_module
+from compress.format.checkpoint import set_module
 from compress.exporters.common import Source, check_onnx_architecture, export_config, write_side_files
-from compress.models import cache_kwarg
-from compress.qlinear import QuantLinear
+from compress.format.models import cache_kwarg
+from compress.format.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)
 

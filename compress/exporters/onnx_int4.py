@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from compress.checkpoint import set_module
+from compress.format.checkpoint import set_module
 from compress.exporters.common import Source, Tables, group_map, zeros_of
 from compress.exporters.onnx_fp import write_onnx
 from compress.exporters.packing import pack_nibbles, unpack_nibbles
-from compress.qlinear import QuantLinear
-from compress.quant import QuantizedWeight
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import QuantizedWeight
 
 BLOCKS = (256, 128, 64, 32, 16)  # block sizes ONNX Runtime's CPU MatMulNBits accepts
 _OP = _GATHER = None

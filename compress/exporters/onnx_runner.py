@@ -122,7 +122,7 @@ def load_causal_lm(spec: str):
         from transformers import AutoTokenizer
 
         return OnnxCausalLM(spec), AutoTokenizer.from_pretrained(spec)
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     model, tokenizer, _ = load_model(spec)
     return model, tokenizer
@@ -144,7 +144,7 @@ def _torch_greedy(model, ids: Tensor, max_new_tokens: int, eos_token_id) -> Tens
     processors, so nothing but argmax decides a token)."""
     from transformers import DynamicCache
 
-    from compress.models import cache_kwarg
+    from compress.format.models import cache_kwarg
 
     cache_kw = cache_kwarg(model)
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []), dtype=torch.long)

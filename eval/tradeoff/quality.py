@@ -18,9 +18,9 @@ from eval.tradeoff import kl
 
 def load_variant(spec: str, kind: str):
     """(model, tokenizer, size in bytes, what the size measures) of a model name, folder, ONNX folder or GGUF."""
-    from compress.checkpoint import quantized_modules
     from compress.exporters.onnx_runner import is_onnx_folder, load_causal_lm
-    from compress.models import load_model
+    from compress.format.checkpoint import quantized_modules
+    from compress.format.models import load_model
 
     if is_onnx_folder(spec):  # run on ONNX Runtime: the artifact itself is measured
         model, tokenizer = load_causal_lm(spec)

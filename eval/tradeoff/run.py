@@ -42,7 +42,7 @@ class _Measure:
 
     def reference(self):
         if self._reference is None:
-            from compress.models import load_model
+            from compress.format.models import load_model
             from eval.progress import quiet_third_party
 
             with quiet_third_party():

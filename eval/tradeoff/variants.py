@@ -60,7 +60,7 @@ def _recipe_variants(recipe: str, cfg: ReportConfig, model_id: list) -> list[Var
 
 
 def model_identity(spec: str) -> list:
-    from compress.models import resolve
+    from compress.format.models import resolve
 
     src = resolve(spec)  # a missing model is a FileNotFoundError naming what was expected
     return [spec, fingerprint(src.path / src.gguf_file if src.gguf_file else src.path)]

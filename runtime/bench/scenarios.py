@@ -146,7 +146,7 @@ class _Runs:
 
     def hf_rows(self, base: str) -> None:
         """transformers generate on the fp model: sequential, then a static batch per level above 1."""
-        from compress.models import load_model
+        from compress.format.models import load_model
 
         cfg = self.cfg
         model, tok, _ = load_model(base)

@@ -14,9 +14,8 @@ import sys
 import torch
 from torch import Tensor, nn
 
-from compress import rtn
-from compress.qlinear import QuantEmbedding, QuantLinear
-from compress.quant import Scheme
+from compress.format.qlinear import QuantEmbedding, QuantLinear
+from compress.format.quant import Scheme, quantize_weight
 from runtime.config import LM_HEADS
 from runtime.kernels import w8a8
 from runtime.kernels.fp_gemv import GemvLinear
@@ -28,7 +27,7 @@ SLAB_ROWS = 1024  # rows of the table converted to tiles per step (a multiple of
 def tiles_in_place(qweight: Tensor, bits: int, cols: int) -> Tensor:
     """``qweight`` (int32 codes packed along ``cols``, rows a multiple of 16) rewritten as w8a8 tiles in its own
     storage, ``SLAB_ROWS`` rows at a time; returns the uint8 [rows / 16, cols * 2 * bits] view of it."""
-    from compress.quant import unpack
+    from compress.format.quant import unpack
 
     rows = qweight.shape[0]
     assert rows % 16 == 0 and cols % w8a8.BLOCK == 0 and qweight.is_contiguous()
@@ -81,7 +80,7 @@ def round_rows(weight: Tensor, scheme: Scheme, rows: int = 4096) -> QuantLinear:
     out_f, in_f = weight.shape
     ql = QuantLinear(in_f, out_f, scheme)
     for s in range(0, out_f, rows):
-        part = QuantLinear.from_quantized(rtn.quantize_weight(weight[s:s + rows].detach().float(), scheme))
+        part = QuantLinear.from_quantized(quantize_weight(weight[s:s + rows].detach().float(), scheme))
         ql.qweight[s:s + rows], ql.scales[s:s + rows] = part.qweight, part.scales
         if ql.qzeros is not None:
             ql.qzeros[s:s + rows] = part.qzeros

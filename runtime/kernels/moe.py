@@ -3,7 +3,7 @@
 An experts kernel takes ``x [T, H]``, the router's ``top_k_index``/``top_k_weights [T, k]``, the stacked
 ``gate_up`` (``[E, 2I, H]``, gate rows then up rows) and ``down`` (``[E, H, I]``) linears and the
 activation, and returns ``sum_k weight * down(act(gate) * up)`` per token ``[T, H]``. The stacks are
-either fp (:class:`StackedLinears`) or packed integers (compress/moe_packed.py's ``PackedLinears``,
+either fp (:class:`StackedLinears`) or packed integers (compress/format/moe_packed.py's ``PackedLinears``,
 the format ``compress quantize`` writes); both answer ``num_experts`` and ``expert_weight(e, dtype)``.
 
 - ``torch_experts`` (CPU): compress's ``packed_moe_forward``: (token, slot) pairs sorted by expert, one
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from compress.moe_packed import packed_moe_forward
+from compress.format.moe_packed import packed_moe_forward
 
 ExpertsFn = Callable[[Tensor, Tensor, Tensor, nn.Module, nn.Module, Callable[[Tensor], Tensor]], Tensor]
 

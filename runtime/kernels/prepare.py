@@ -8,8 +8,8 @@ from collections import Counter
 import torch
 from torch import nn
 
-from compress.memory import trim
-from compress.qlinear import QuantLinear
+from compress.format.host import trim
+from compress.format.qlinear import QuantLinear
 from runtime.kernels import w8a8
 from runtime.kernels.lm_head import prepare_tied_head
 from runtime.kernels.qmatmul import PACKED_MODES, TritonLinear, prepare_linear

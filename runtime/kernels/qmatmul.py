@@ -58,9 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compress import rtn
-from compress.qlinear import QuantLinear
-from compress.quant import Scheme
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import Scheme
 from runtime.config import LM_HEADS
 from runtime.cpu import cpu_info
 from runtime.kernels import w8a8
@@ -349,7 +348,7 @@ def added_bytes_per_weight(mode: str, fused: bool) -> int:
 
 def too_large_for_copies(model: nn.Module, mode: str = "auto", fused: bool = True) -> bool:
     """Whether what ``mode`` adds beside ``model``'s quantized codes would exceed ``COPY_BUDGET`` of free memory."""
-    from compress.memory import available_bytes, gib
+    from compress.format.host import available_bytes, gib
 
     weights = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
     copies = weights * added_bytes_per_weight(mode, fused)

@@ -5,7 +5,7 @@ the sorted order; the runs are cut into tiles of ``BLOCK_M`` rows that never str
 (``tile_table``). One program per (row tile, ``BLOCK_N`` column tile) computes ``rows @ W[e].T`` for
 its tile's expert ``e``: rows are gathered from ``x`` through the sorted token ids (gate/up) or read in
 place (down, already in sorted order), and ``W[e]`` is an fp stack ``[E, N, K]`` or packed integers
-``[E, N, words]`` (compress/moe_packed.py) dequantized tile by tile in registers with
+``[E, N, words]`` (compress/format/moe_packed.py) dequantized tile by tile in registers with
 runtime/kernels/triton_qmatmul.py's ``dequant_tile`` (w4a16 and the other int widths, nf4, act-order),
 never materialized. ``act(gate) * up`` runs in torch between the two launches; the routing weights
 scale the down outputs, summed back per token by ``index_add_``. Accumulation is fp32.
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from compress.quant import nf4_codebook
+from compress.format.quant import nf4_codebook
 from runtime.kernels.triton_qmatmul import block_sizes, dequant_tile
 
 

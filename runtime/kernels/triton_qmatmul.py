@@ -1,10 +1,10 @@
-"""Dequant-GEMM in Triton for the packed layout of compress/quant.py (w4a16 and the other int widths).
+"""Dequant-GEMM in Triton for the packed layout of compress/format/quant.py (w4a16 and the other int widths).
 
 ``y = x @ W.T (+ bias)`` where ``W[n, k] = (q[n, k] - zero[n, g(k)]) * scale[n, g(k)]`` (or
 ``NF4[q] * scale`` for nf4), never materializing ``W``: each program dequantizes one
 ``[BLOCK_K, BLOCK_N]`` tile of codes in registers and feeds it to ``tl.dot``.
 
-Layout (compress/qlinear.py): ``qweight`` int32 ``[out, ceil(in / (32 // bits))]`` packed along ``in``,
+Layout (compress/format/qlinear.py): ``qweight`` int32 ``[out, ceil(in / (32 // bits))]`` packed along ``in``,
 code ``j`` of a word at bits ``[j*bits, (j+1)*bits)`` least significant first; ``scales`` fp16
 ``[out, G]``; ``qzeros`` uint8 ``[out, G]`` or None (symmetric: zero ``2**(bits-1)``); ``g_idx`` int
 ``[in]`` or None (natural order, ``g(k) = k // group_size``, ragged last group allowed).
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from compress.quant import Scheme, nf4_codebook
+from compress.format.quant import Scheme, nf4_codebook
 
 
 @triton.jit

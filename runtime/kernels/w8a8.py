@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compress.qlinear import QuantEmbedding, QuantLinear
-from compress.quant import dequantize, nf4_codebook, unpack
+from compress.format.qlinear import QuantEmbedding, QuantLinear
+from compress.format.quant import dequantize, nf4_codebook, unpack
 
 BLOCK = 32  # activation quantization block (qgemv.cpp's QB)
 

@@ -4,7 +4,7 @@ around them in the family's form.
 A block reads its normalized input ``h`` and adds its two branches to the residual stream in place. Each add is
 fused with the norm that reads the sum (``add_norm``: one pass in the fused CPU kernels), so the block ends with
 the *next* block's input norm, and the model's first norm runs before the first block. Where the norms sit is
-``Family.norms`` (compress/families.py), mapped here to checkpoint names by role:
+``Family.norms`` (compress/format/families.py), mapped here to checkpoint names by role:
 
 - ``"pre"`` (Llama): ``input_layernorm`` before attention, ``post_attention_layernorm`` before the MLP.
 - ``"sandwich"`` (Gemma 2/3): those two plus ``post_attention_layernorm`` on the attention output and

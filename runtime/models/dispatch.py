@@ -1,7 +1,7 @@
 """Which model serves a checkpoint: the native runtime model for its family, else transformers' own code.
 
 ``MODEL_IMPLS`` are EngineConfig's ``model_impl`` choices: ``"auto"`` takes the native model
-(runtime/models/llama.py, the fast path) when the family table (compress/families.py, step ``runtime``) says the
+(runtime/models/llama.py, the fast path) when the family table (compress/format/families.py, step ``runtime``) says the
 runtime has one, and transformers' modeling code with the engine's paged KV cache (runtime/models/hf_backend.py,
 slower) otherwise; ``"native"`` and ``"transformers"`` force one. Both decisions are made from ``config.json``
 alone, so an unsupported family or a remote-code model without ``trust_remote_code`` fails before any weight is
@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from compress.families import supported, supports
+from compress.format.families import supported, supports
 from runtime.config import MODEL_IMPLS
 from runtime.models.hf_backend import TransformersConfig, build_transformers_model
 from runtime.models.llama import ModelConfig

@@ -248,16 +248,17 @@ class TransformersLM(nn.Module):
 
 
 def load_transformers(src, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
-    """``src`` (a ``compress.models.ModelSource``) as a transformers causal LM, as ``compress.models.load_model``
-    loads it (quantized folders with QuantLinear layers, GGUF dequantized once), without its tokenizer."""
+    """``src`` (a ``compress.format.models.ModelSource``) as a transformers causal LM, as
+    ``compress.format.models.load_model`` loads it (quantized folders with QuantLinear layers, GGUF dequantized once),
+    without its tokenizer."""
     if src.quantized:
-        from compress.checkpoint import load_quantized
+        from compress.format.checkpoint import load_quantized
 
         return load_quantized(src.path, dtype=dtype, trust_remote_code=trust_remote_code)
     if src.gguf_file:
-        from compress.models import _load_gguf
+        from compress.format.models import load_gguf
 
-        return _load_gguf(src, dtype)
+        return load_gguf(src, dtype)
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, trust_remote_code=trust_remote_code,

@@ -1,7 +1,7 @@
 """The runtime's native decoder: the Llama family (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3,
 olmo2, granite) and its mixture-of-experts relatives (mixtral, qwen2_moe, qwen3_moe, olmoe).
 
-The families differ only in data: the family's entry in compress/families.py (keyed by ``config.model_type``)
+The families differ only in data: the family's entry in compress/format/families.py (keyed by ``config.model_type``)
 and the values its config holds (runtime/models/model_config.py). Which norms surround attention and the MLP
 (pre, Gemma 2/3's sandwich, OLMo 2's post) is runtime/models/blocks.py's ``NORM_ROLES``; Qwen3 and Gemma 3
 normalize q and k per head before RoPE, OLMoE and OLMo 2 over the whole q and k projections (OLMoE may clip

@@ -1,7 +1,7 @@
 """Checkpoints in: plain HF folders (safetensors), quantized folders written by ``compress quantize``,
-and GGUF files (dequantized once by ``compress.models`` and cached as safetensors).
+and GGUF files (dequantized once by ``compress.format.models`` and cached as safetensors).
 
-Quantized linears are rebuilt as ``compress.qlinear.QuantLinear`` straight from their integers
+Quantized linears are rebuilt as ``compress.format.qlinear.QuantLinear`` straight from their integers
 (``config.json`` ``quantization_config.modules`` names each one); nothing is dequantized here. A quantized
 embedding (``quantization_config.embed``) becomes a ``QuantEmbedding`` that dequantizes only the rows a forward
 looks up; a tied quantized head (``quantization_config.head.tied``) is a QuantLinear over the embedding's buffers. q/k/v
@@ -9,7 +9,7 @@ and gate/up are fused into one linear each when their formats allow (plain weigh
 quantization schemes without act-order), by concatenating output rows; otherwise they run side by side.
 
 Mixture-of-experts layers (runtime/models/moe.py) read their experts in any of three layouts: packed
-integers (``quantization_config.moe``, compress/moe_packed.py's ``PackedLinears``, kept packed), fused
+integers (``quantization_config.moe``, compress/format/moe_packed.py's ``PackedLinears``, kept packed), fused
 fp ``mlp.experts.gate_up_proj [E, 2I, H]``/``down_proj [E, H, I]`` (transformers 5's modules), or the
 per-expert linears hub checkpoints hold (and transformers 5 writes back on save:
 ``mlp.experts.{e}.gate_proj.weight``..., Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``...),
@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from compress.models import ModelSource
-from compress.moe_packed import PackedLinears
-from compress.qlinear import QuantEmbedding, QuantLinear
+from compress.format.models import ModelSource
+from compress.format.moe_packed import PackedLinears
+from compress.format.qlinear import QuantEmbedding, QuantLinear
 from runtime.models.layers import ConcatLinear
 from runtime.models.llama import DecoderLM, ModelConfig
 from runtime.kernels.moe import StackedLinears
-from compress.families import MoEArch
+from compress.format.families import MoEArch
 from runtime.models.moe import SparseMoE
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class LazyTensors(Mapping):
     needs about the checkpoint's size, not twice it."""
 
     def __init__(self, path: Path):
-        from compress.shards import ShardReader
+        from compress.format.shards import ShardReader
 
         try:
             self.reader = ShardReader(path)
@@ -101,10 +101,10 @@ class LazyTensors(Mapping):
 
 
 def open_checkpoint(spec: str, trust_remote_code: bool = False) -> Checkpoint:
-    """Resolve ``spec`` with ``compress.models.resolve`` and read config, tensors and tokenizer (the tokenizer's
+    """Resolve ``spec`` with ``compress.format.models.resolve`` and read config, tensors and tokenizer (the tokenizer's
     own code runs only with ``trust_remote_code``)."""
-    from compress.families import check_rope
-    from compress.models import _load_gguf, load_tokenizer, resolve
+    from compress.format.families import check_rope
+    from compress.format.models import load_gguf, load_tokenizer, resolve
 
     src = resolve(spec)
     cfg = None if src.gguf_file else json.loads((src.path / "config.json").read_text())
@@ -117,14 +117,14 @@ def open_checkpoint(spec: str, trust_remote_code: bool = False) -> Checkpoint:
         tokenizer = None
     tok_eos = getattr(tokenizer, "eos_token_id", None)
     if src.gguf_file:
-        hf = _load_gguf(src, torch.float32)
+        hf = load_gguf(src, torch.float32)
         gen = getattr(hf, "generation_config", None)
         cfg = hf.config.to_dict()
         return Checkpoint(src.name, cfg, dict(hf.state_dict()), {}, {}, None, False, tokenizer,
                           _eos_ids(getattr(gen, "eos_token_id", None), cfg.get("eos_token_id"), tok_eos), src)
     qc: dict = {}
     if src.quantized:
-        from compress.checkpoint import read_quantization_config
+        from compress.format.checkpoint import read_quantization_config
 
         qc = read_quantization_config(src.path)
     gen_file = src.path / "generation_config.json"
@@ -139,7 +139,7 @@ def _linear(ckpt: Checkpoint, name: str, in_f: int, out_f: int, dtype: torch.dty
     t = ckpt.tensors
     bias = t.get(f"{name}.bias")
     if name in ckpt.quant_modules:
-        from compress.checkpoint import scheme_of
+        from compress.format.checkpoint import scheme_of
 
         entry = ckpt.quant_modules[name]
         m = QuantLinear(in_f, out_f, scheme_of(entry), bias=bias is not None, act_order=entry.get("act_order", False),
@@ -221,7 +221,7 @@ def _fp_experts(ckpt: Checkpoint, p: str, arch: MoEArch, num_experts: int) -> tu
 
 def _packed(ckpt: Checkpoint, name: str, entry: dict, in_f: int, out_f: int) -> PackedLinears:
     """``E`` packed quantized linears ``name`` (``qweight``/``scales``/``qzeros``/``g_idx`` [E, ...]), kept packed."""
-    from compress.checkpoint import scheme_of
+    from compress.format.checkpoint import scheme_of
 
     m = PackedLinears(entry["num_experts"], in_f, out_f, scheme_of(entry), entry.get("act_order", False))
     t = ckpt.tensors
@@ -300,7 +300,7 @@ def load_embedding(ckpt: Checkpoint, model: DecoderLM, cfg: ModelConfig, dtype: 
     fp table."""
     name, shape = "model.embed_tokens", (cfg.vocab_size, cfg.hidden_size)
     if ckpt.quant_embed is not None:
-        from compress.checkpoint import scheme_of
+        from compress.format.checkpoint import scheme_of
 
         q = QuantEmbedding(*shape, scheme_of(ckpt.quant_embed), dtype, device="meta")  # the family scales it itself
         q.load_state_dict({k: ckpt.tensors[f"{name}.{k}"] for k in q.state_dict()}, strict=True, assign=True)

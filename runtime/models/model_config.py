@@ -4,14 +4,14 @@ The dict goes through transformers' own config class for its ``model_type`` firs
 as transformers reads them (``rope_scaling`` -> ``rope_parameters``, Gemma 3's ``sliding_window_pattern`` and
 ``rope_local_base_freq`` -> ``layer_types`` and per-layer-type rope parameters, Phi-3's top-level
 ``partial_rotary_factor``...) and unset fields take transformers' defaults for the family. How to read the
-values (which norm form, which multipliers) is the family's entry in compress/families.py.
+values (which norm form, which multipliers) is the family's entry in compress/format/families.py.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
-from compress.families import FAMILIES, Family, require
+from compress.format.families import FAMILIES, Family, require
 from runtime.models.layers import ACTIVATIONS, ROPE_TYPES, longrope_attention_factor, rope_kind
 from runtime.models.moe import MoEConfig
 

@@ -5,7 +5,7 @@ weights renormalized to sum to 1 (Mixtral always; the others when ``norm_topk_pr
 weight stays fp32 and its logits are computed in fp32 whatever the model dtype. Expert outputs are
 scaled by those weights (Mixtral in fp32; the others cast them to the model dtype first, as
 transformers does) and summed; Qwen2-MoE adds a dense shared expert scaled by ``sigmoid(gate(x))``.
-Family differences are data (``MoEArch``, one per model_type in compress/families.py).
+Family differences are data (``MoEArch``, one per model_type in compress/format/families.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compress.families import MoEArch
+from compress.format.families import MoEArch
 from runtime.kernels.moe import ExpertsFn, torch_experts
 
 

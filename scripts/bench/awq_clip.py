@@ -1,4 +1,4 @@
-"""AWQ's clipping search (compress/awq.py ``search_clip``, scored through each group's Gram matrix) against the
+"""AWQ's clipping search (compress/methods/awq.py ``search_clip``, scored through each group's Gram matrix) against the
 same search scored directly over every sample row, on awq4's settings (2,048 rows, a 50-step grid) and the widths of
 a 0.5B model's MLP: time each, and check they choose the same range for every (row, group).
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 def direct_search(x, w, scheme, grid, max_shrink=0.5, chunk=256):
     """The same search with each candidate's error taken over the sample rows themselves: [G, n, rows] per step.
     The bench's full-range bounds are the asymmetric ones (its scheme), as the search before the Gram form."""
-    from compress.awq import _grouped, shrink_search
+    from compress.methods.awq import _grouped, shrink_search
 
     xg = _grouped(x.float(), scheme).permute(1, 0, 2)  # [G, n, g]
     return shrink_search(w, scheme, lambda dq: torch.bmm(xg, dq.transpose(1, 2)).pow_(2).mean(dim=1).T, grid,
@@ -27,8 +27,8 @@ def direct_search(x, w, scheme, grid, max_shrink=0.5, chunk=256):
 
 
 def main() -> None:
-    from compress.awq import search_clip
-    from compress.quant import Scheme
+    from compress.format.quant import Scheme
+    from compress.methods.awq import search_clip
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)

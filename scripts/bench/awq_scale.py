@@ -20,8 +20,8 @@ GROUPS = {"gate/up": (896, [4864, 4864]), "down": (4864, [896])}
 
 
 def main() -> None:
-    from compress.awq import linear_error, output_error, search_scale
-    from compress.quant import Scheme
+    from compress.methods.awq import linear_error, output_error, search_scale
+    from compress.format.quant import Scheme
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)

@@ -221,7 +221,7 @@ def llamacpp_paths(a: argparse.Namespace) -> tuple[Path, Path]:
     if a.gguf:
         gguf = Path(a.gguf)
     else:
-        from compress.models import resolve
+        from compress.format.models import resolve
 
         src = resolve("smollm2-135m")
         gguf = src.path / src.gguf_file
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     drive(engine, SamplingParams, random_prompts(rng, min(levels), 16), 4)  # a batched decode
     hf = None
     if not a.no_hf:
-        from compress.models import load_model
+        from compress.format.models import load_model
 
         hf = load_model("smollm2-135m")[0].float().eval()
         hf_repeat(hf, rng)  # warm-up

@@ -79,7 +79,7 @@ def second_half_ppl(model_dir: Path, text: Path, ctx: int, chunks: int) -> float
 
     sys.path.insert(0, str(ROOT))
     from compress.data import tokenize
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     model, tokenizer, _ = load_model(str(model_dir))
     ids = tokenize(tokenizer, text.read_text())

@@ -174,8 +174,8 @@ def decode_attention_section(plan: KernelPlan, device: torch.device, bw_gbs: flo
 
 def _int4_linear(n: int, k: int, group_size: int, gen: torch.Generator):
     """rtn4's scheme (4-bit, asymmetric, groups of ``group_size``) on a random [n, k] weight -> QuantLinear."""
-    from compress.qlinear import QuantLinear
-    from compress.quant import QuantizedWeight, Scheme, compute_qparams, quantize
+    from compress.format.qlinear import QuantLinear
+    from compress.format.quant import QuantizedWeight, Scheme, compute_qparams, quantize
 
     scheme = Scheme(bits=4, group_size=group_size, sym=False)
     w = torch.randn(n, k, generator=gen) * 0.02

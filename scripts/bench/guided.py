@@ -43,7 +43,7 @@ def _walks(new, fill, accept, done, vocab: int, walks: int = 5, steps: int = 60)
 
 
 def mask(_args) -> None:
-    from compress.models import load_tokenizer, resolve
+    from compress.format.models import load_tokenizer, resolve
 
     tok = load_tokenizer(resolve("smollm2-135m"))
     vocab = len(tok)

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 
 def _load(spec: str) -> nn.Module:
-    from compress.checkpoint import quantized_modules
-    from compress.models import load_model
+    from compress.format.checkpoint import quantized_modules
+    from compress.format.models import load_model
 
     model = load_model(spec)[0]
     for m in quantized_modules(model).values():
@@ -82,7 +82,7 @@ def run(reference: str, body: str | None, heads: list[str], variants: list[str],
     of the same sequence for every row), so that a run cut short still reports what it measured."""
     from compress.calibrate import backbone
     from compress.data import load_texts
-    from compress.models import load_tokenizer, resolve
+    from compress.format.models import load_tokenizer, resolve
     from eval.perplexity import token_windows
 
     if body and heads:

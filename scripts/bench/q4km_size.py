@@ -39,7 +39,7 @@ def tensor_type(name: str, shape: tuple[int, ...], n_layers: int, tied: bool) ->
 
 def q4km_bytes(folder: Path) -> tuple[int, dict[str, int]]:
     """The Q4_K_M tensor bytes of an HF folder (metadata and tokenizer aside), and the parameters per type."""
-    from compress.shards import ShardReader
+    from compress.format.shards import ShardReader
 
     config = json.loads((folder / "config.json").read_text())
     entries = ShardReader(folder).entries

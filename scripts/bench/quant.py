@@ -40,7 +40,7 @@ def eval_windows(tokenizer, source: str, seqlen: int, n: int) -> torch.Tensor:
 def prepare(args, base: dict | None) -> tuple[Path, Path, dict]:
     """The fp copy and the token windows under ``--runs`` (made once), and the baseline's row (``base`` if scored)."""
     from compress.data import calibration_batches
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     fp_dir, tok_path = Path(args.runs) / "fp", Path(args.runs) / "tokens.pt"
     model, tok, _ = load_model(args.model)
@@ -69,7 +69,7 @@ def tasks(model, tok, args) -> dict:
 
 
 def ours(recipe: str, tokens: dict, args) -> dict:
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     out, js = Path(args.runs) / f"q-{recipe}", Path(args.runs) / f"q-{recipe}.json"
     cmd = [str(ROOT / ".venv/bin/compress"), "quantize", "--recipe", recipe, "--model", args.model, "--out", str(out),
@@ -83,7 +83,7 @@ def ours(recipe: str, tokens: dict, args) -> dict:
     row = {"recipe": recipe, "ppl": {k: window_ppl(model, w) for k, w in tokens["eval"].items()},
            "size_bytes": summary["out_bytes"], "seconds": summary["seconds"],
            "peak_rss_bytes": summary["peak_rss_bytes"]}
-    fell = summary["report"].get("notes", {}).get("fallback")  # layers compress/fallback.py kept at RTN
+    fell = summary["report"].get("notes", {}).get("fallback")  # layers compress/methods/common/fallback.py kept at RTN
     if fell:
         row["fallback"] = f"{fell['rtn']} of {fell['judged']}"
     if args.tasks:

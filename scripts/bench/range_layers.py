@@ -1,6 +1,6 @@
 """Layer-level comparison of how each method picks its grid, on SmolLM2's real activations, with and without
 the Hadamard rotation: the output error ``tr(D H D^T)`` (``D`` = dequantized - original weight, ``H`` the layer's
-input Hessian from 8 calibration windows) of RTN, RTN with the activation-weighted range (compress.quant.
+input Hessian from 8 calibration windows) of RTN, RTN with the activation-weighted range (compress.format.quant.
 weighted_range_params), GPTQ, GPTQ with the mse grid (the recipes' choice) and GPTQ with the weighted range.
 
   .venv/bin/python scripts/bench/range_layers.py   # needs runs/bench/fp and tokens.pt (scripts/bench/quant.py)
@@ -22,7 +22,7 @@ LAYERS = {"q_proj L10": (10, "self_attn.q_proj"), "o_proj L10": (10, "self_attn.
 
 
 def hessians(model, tokens) -> dict:
-    from compress.gptq import Hessian
+    from compress.methods.common.hessian import Hessian
 
     mods = {k: model.model.layers[i].get_submodule(n) for k, (i, n) in LAYERS.items()}
     hs = {k: Hessian.zeros(m.in_features) for k, m in mods.items()}
@@ -36,8 +36,9 @@ def hessians(model, tokens) -> dict:
 
 
 def errors(w, h, scheme) -> dict:
-    from compress import gptq, rtn
     from compress.config import GPTQOptions
+    from compress.format import quant
+    from compress.methods.common import gptq_solver
 
     def err(qw):
         d = qw.dequantize() - w
@@ -45,16 +46,17 @@ def errors(w, h, scheme) -> dict:
 
     def g(mse=False, weighted_range=False):
         opts = GPTQOptions(damp=0.05, act_order=True, static_groups=True, mse=mse)
-        return gptq.quantize_weight(w, h, scheme, opts, weighted_range).weight
+        return gptq_solver.quantize_weight(w, h, scheme, opts, weighted_range).weight
 
-    return {"rtn": err(rtn.quantize_weight(w, scheme)), "rtn weighted": err(rtn.quantize_weight(w, scheme, h.diagonal())),
+    return {"rtn": err(quant.quantize_weight(w, scheme)),
+            "rtn weighted": err(quant.quantize_weight(w, scheme, h.diagonal())),
             "gptq": err(g()), "gptq mse": err(g(mse=True)), "gptq weighted": err(g(weighted_range=True))}
 
 
 def main():
-    from compress.models import load_model
-    from compress.quant import Scheme
-    from compress.rotate import rotate_model
+    from compress.format.models import load_model
+    from compress.format.quant import Scheme
+    from compress.transforms.rotate import rotate_model
 
     model, _, _ = load_model(str(ROOT / "runs/bench/fp"))
     tokens = torch.load(ROOT / "runs/bench/tokens.pt")["calib"][:8]

@@ -31,7 +31,7 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def scores(folder: Path, windows: dict[str, torch.Tensor]) -> dict[str, float]:
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     model, _, _ = load_model(str(folder))
     for m in model.modules():

@@ -29,9 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from compress.checkpoint import quantized_modules
     from compress.data import load_texts
-    from compress.models import load_model
+    from compress.format.checkpoint import quantized_modules
+    from compress.format.models import load_model
     from eval.perplexity import perplexity
     from runtime.lm import EngineLM
 

@@ -39,7 +39,7 @@ def _gib(n: float) -> str:
 def _disk(spec: str) -> int:
     p = Path(spec)
     if not p.exists():
-        from compress.models import resolve
+        from compress.format.models import resolve
 
         src = resolve(spec)
         p = src.path / src.gguf_file if src.gguf_file else src.path
@@ -49,7 +49,7 @@ def _disk(spec: str) -> int:
 def _tensors(folder: Path) -> dict:
     from safetensors.torch import load_file
 
-    from compress.shards import shard_files
+    from compress.format.shards import shard_files
 
     out = {}
     for f in shard_files(folder):

@@ -41,7 +41,7 @@ def head_as_embedding(src: str, out: str) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    from compress.checkpoint import load_quantized
+    from compress.format.checkpoint import load_quantized
 
     head = load_quantized(src).get_output_embeddings()
     shutil.copytree(src, out)
@@ -56,7 +56,7 @@ def head_as_embedding(src: str, out: str) -> None:
 
 
 def main() -> None:
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")

@@ -20,11 +20,10 @@ def export(work: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
-    from compress.checkpoint import build_quantization_config, save_quantized, set_module
     from compress.exporters.dispatch import export as export_model
-    from compress.qlinear import QuantLinear
-    from compress.quant import Scheme
-    from compress.rtn import quantize_weight
+    from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
+    from compress.format.qlinear import QuantLinear
+    from compress.format.quant import Scheme, quantize_weight
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

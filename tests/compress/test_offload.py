@@ -8,10 +8,10 @@ from safetensors.torch import load_file
 
 from compress import calibrate
 from compress.config import load_recipe
+from compress.format.shards import shard_files
 from compress.job import quantize_to_folder
 from compress.memory import plan, plan_offload
 from compress.offload import DiskTensors
-from compress.shards import shard_files
 from tiny_models import tiny_model
 
 
@@ -53,7 +53,7 @@ def test_offloaded_equals_in_memory(tmp_path, smol_tokenizer, calib_text, family
         return run(model, batches, observed, *a, **k)
 
     for mod in ("gptq", "awq"):
-        monkeypatch.setattr(f"compress.{mod}.run_sequential", spy)
+        monkeypatch.setattr(f"compress.methods.{mod}.run_sequential", spy)
     on_disk = quantize_to_folder(str(src), cfg, str(tmp_path / "d"), stream=stream, offload_activations=True)
     assert seen and all(seen) and on_disk.memory["activations_offloaded"]
     held = quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=stream, offload_activations=False)

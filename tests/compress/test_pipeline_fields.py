@@ -38,7 +38,7 @@ READS = {
 }
 # a MoE model's experts read the same (qat refuses MoE models), and how many routed tokens calibrate one
 # (guided GPTQ weights the dense linears' tokens only: the experts are compared alone here, so it is not listed;
-# sequential: false is refused on a MoE model, tests/compress/test_gptq_fp.py)
+# sequential: false is refused on a MoE model, tests/compress/methods/test_gptq_fp.py)
 # the experts are not judged against RTN: they fit on every calibration window, held out or not
 MOE_READS = {m: READS[m] - {"guided", "guided_mix", "guided_nsamples", "sequential"} - FALLBACK
              | ({"moe_min_tokens"} if m in ("gptq", "awq") else set()) for m in ("rtn", "nf4", "gptq", "awq")}
@@ -60,9 +60,10 @@ UNREAD = {
     "calib": "compress/job.py turns calib, nsamples and seqlen into the batches quantize_model is given",
     "nsamples": "compress/job.py", "seqlen": "compress/job.py",
     "block_size": "GPTQ's lazy-update width: the same result, faster",
-    **{f: "compress/job.py rounds the embedding and head after the method (tests/compress/test_embed_head.py)"
+    **{f: "compress/job.py rounds the embedding and head after the method (tests/compress/methods/test_embed_head.py)"
        for f in ("embed", "head", "embed_group_size", "head_group_size", "embed_sym", "head_sym")},
-    "head_method": "compress/job.py calibrates an untied head after the method (tests/compress/test_head_gptq.py)",
+    "head_method": "compress/job.py calibrates an untied head after the method "
+                   "(tests/compress/methods/test_head_gptq.py)",
 }
 REFUSED = "refused with a ValueError"
 DATA_FREE, PTQ = ("rtn", "nf4"), ("rtn", "nf4", "gptq", "awq")
@@ -79,14 +80,14 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
     **{f: {m: "AWQ's searches only" for m in ("rtn", "nf4", "gptq")} for f in AWQ - {"rounding"}},
     "rounding": {m: REFUSED for m in ("rtn", "nf4", "gptq", "qat")},
     **{f: {m: "QAT only" for m in PTQ} for f in QAT},
-    # read through the scheme by compress/quant.py (and qat's learned zeros), but it changes only groups that
-    # min/max rounding gives zero 0, which these random models lack: tests/compress/test_quant.py tests it
+    # read through the scheme by compress/format/quant.py (and qat's learned zeros), but it changes only groups that
+    # min/max rounding gives zero 0, which these random models lack: tests/compress/format/test_quant.py tests it
     "zero_floor": {**{m: "changes no group of these random models" for m in ("rtn", "gptq", "awq", "qat")},
                    "nf4": REFUSED},
     **{f: {m: "nothing calibrated to judge against RTN (qat's init fits on every window)" for m in ("rtn", "nf4", "qat")}
        for f in FALLBACK},
     "moe_min_tokens": {**{m: "refused on a dense model; data-free experts count no tokens" for m in DATA_FREE},
-                       **{m: "refused on a dense model (compress/moe.py)" for m in ("gptq", "awq", "qat")}},
+                       **{m: "refused on a dense model (methods/common/moe.py)" for m in ("gptq", "awq", "qat")}},
 }
 CHANGE = {
     "bits": 3, "group_size": 16, "sym": True, "seed": 1, "batch_size": 4, "calib_dtype": "bfloat16",

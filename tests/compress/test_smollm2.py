@@ -25,7 +25,7 @@ def _ppl(model, windows):
 def test_awq4_on_smollm2_stays_close_to_baseline(tmp_path):
     from compress.config import load_recipe
     from compress.data import load_texts, tokenize
-    from compress.models import load_model
+    from compress.format.models import load_model
     from compress.job import quantize_to_folder
 
     base, tok, _ = load_model("smollm2-135m")

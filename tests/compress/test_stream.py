@@ -3,45 +3,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from compress.config import load_recipe
+from compress.format.shards import INDEX
 from compress.job import quantize_to_folder
-from compress.shards import INDEX, shard_files
+from folders import folder_tensors, save_tiny, streamed_and_in_memory
 from peak import reset_peak
 from tiny_models import tiny_model
-
-
-def _tensors(folder) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in shard_files(Path(folder)):
-        out.update(load_file(str(f)))
-    return out
-
-
-def _save(tmp_path, family, tokenizer, **kw) -> Path:
-    path = tmp_path / family
-    tiny_model(family, **{"vocab": len(tokenizer), **kw}).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def streamed_and_in_memory(src: Path, cfg, tmp_path: Path):
-    """Both runs of ``cfg`` on ``src``; asserts they wrote the very same tensors."""
-    streamed = quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True)
-    whole = quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False)
-    assert streamed.streamed and not whole.streamed
-    a, b = _tensors(streamed.out), _tensors(whole.out)
-    assert a.keys() == b.keys()
-    assert [k for k in a if not torch.equal(a[k], b[k])] == []
-    return streamed, whole
 
 
 # sequential: false (gptq on the fp model's activations) is block by block as well: it streams
 @pytest.mark.parametrize("family,recipe,extra", [("llama", "rtn4", {}), ("qwen2", "gptq4", {}), ("gemma", "awq4", {}),
                                                  ("mixtral", "gptq4", {}), ("llama", "gptq4", {"sequential": False})])
 def test_streamed_equals_in_memory(tmp_path, smol_tokenizer, calib_text, family, recipe, extra):
-    src = _save(tmp_path, family, smol_tokenizer)
+    src = save_tiny(tmp_path, family, smol_tokenizer)
     cfg = load_recipe(recipe).replace(calib=str(calib_text), nsamples=4, seqlen=32, batch_size=2, **extra)
     streamed, _ = streamed_and_in_memory(src, cfg, tmp_path)
     assert sorted(p.name for p in Path(streamed.out).glob("*.safetensors")) == ["model.safetensors"]
@@ -59,7 +34,7 @@ def test_a_family_whose_head_is_renamed_on_load_streams(tmp_path, smol_tokenizer
     smol_tokenizer.save_pretrained(src)
     streamed = quantize_to_folder(str(src), load_recipe("rtn4"), str(tmp_path / "s"), stream=True)
     whole = quantize_to_folder(str(src), load_recipe("rtn4"), str(tmp_path / "m"), stream=False)
-    a, b = _tensors(streamed.out), _tensors(whole.out)
+    a, b = folder_tensors(streamed.out), folder_tensors(whole.out)
     assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
@@ -67,12 +42,12 @@ def test_large_outputs_are_sharded(tmp_path, smol_tokenizer, monkeypatch):
     from compress import stream
 
     monkeypatch.setattr(stream, "MAX_SHARD_BYTES", 1 << 20)
-    src = _save(tmp_path, "llama", smol_tokenizer, layers=3)
+    src = save_tiny(tmp_path, "llama", smol_tokenizer, layers=3)
     res = quantize_to_folder(str(src), load_recipe("rtn4"), str(tmp_path / "s"), stream=True)
     files = sorted(p.name for p in Path(res.out).glob("*.safetensors"))
     assert (Path(res.out) / INDEX).is_file() and len(files) > 1 and files[0].startswith("model-00001-of-")
-    assert _tensors(res.out).keys() == _tensors(quantize_to_folder(str(src), load_recipe("rtn4"), str(tmp_path / "m"),
-                                                                   stream=False).out).keys()
+    whole = quantize_to_folder(str(src), load_recipe("rtn4"), str(tmp_path / "m"), stream=False)
+    assert folder_tensors(res.out).keys() == folder_tensors(whole.out).keys()
 
 
 def test_outer_tensors_keep_the_source_dtype(tmp_path, smol_tokenizer, calib_text):
@@ -82,17 +57,17 @@ def test_outer_tensors_keep_the_source_dtype(tmp_path, smol_tokenizer, calib_tex
     smol_tokenizer.save_pretrained(src)
     cfg = load_recipe("gptq4").replace(calib=str(calib_text), nsamples=4, seqlen=32, batch_size=2, embed="none",
                                        head="none")
-    a = _tensors(quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True).out)
-    b = _tensors(quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False).out)
+    a = folder_tensors(quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True).out)
+    b = folder_tensors(quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False).out)
     assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
     assert {a[k].dtype for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")} == {torch.bfloat16}
     assert a["model.layers.0.input_layernorm.weight"].dtype == torch.float32
 
 
 def test_streamed_checkpoint_reloads_to_the_same_logits(tmp_path, smol_tokenizer):
-    from compress.checkpoint import load_quantized
+    from compress.format.checkpoint import load_quantized
 
-    src = _save(tmp_path, "llama", smol_tokenizer)
+    src = save_tiny(tmp_path, "llama", smol_tokenizer)
     cfg = load_recipe("rtn4")
     a = load_quantized(quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True).out)
     b = load_quantized(quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False).out)
@@ -107,9 +82,9 @@ def test_streaming_holds_one_block(tmp_path, smol_tokenizer):
     from compress.job import peak_rss
 
     cfg = load_recipe("rtn4")
-    warm = _save(tmp_path / "warm", "llama", smol_tokenizer)  # first-use imports are not the model's memory
+    warm = save_tiny(tmp_path / "warm", "llama", smol_tokenizer)  # first-use imports are not the model's memory
     quantize_to_folder(str(warm), cfg, str(tmp_path / "w"), stream=True)
-    src = _save(tmp_path, "llama", smol_tokenizer, hidden=1024, layers=8, vocab=256)
+    src = save_tiny(tmp_path, "llama", smol_tokenizer, hidden=1024, layers=8, vocab=256)
     block = sum(p.numel() for p in tiny_model("llama", hidden=1024, layers=1, vocab=256).model.layers.parameters()) * 4
     if (before := reset_peak()) is None:
         pytest.skip("needs /proc/self/clear_refs to measure the peak")
@@ -123,7 +98,7 @@ def test_streaming_holds_one_block(tmp_path, smol_tokenizer):
 
 
 def test_max_memory_refuses_before_any_work(tmp_path, smol_tokenizer):
-    src = _save(tmp_path, "llama", smol_tokenizer)
+    src = save_tiny(tmp_path, "llama", smol_tokenizer)
     with pytest.raises(MemoryError, match="--max-memory"):
         quantize_to_folder(str(src), load_recipe("gptq4"), str(tmp_path / "o"), max_memory=1 << 20)
     assert not (tmp_path / "o").exists()
@@ -132,7 +107,7 @@ def test_max_memory_refuses_before_any_work(tmp_path, smol_tokenizer):
 def test_killed_run_leaves_no_output(tmp_path, smol_tokenizer, monkeypatch):
     from compress import stream
 
-    src = _save(tmp_path, "llama", smol_tokenizer)
+    src = save_tiny(tmp_path, "llama", smol_tokenizer)
 
     def boom(self, i, block):
         raise KeyboardInterrupt
@@ -144,7 +119,7 @@ def test_killed_run_leaves_no_output(tmp_path, smol_tokenizer, monkeypatch):
 
 
 def test_stream_refuses_what_needs_the_whole_model(tmp_path, smol_tokenizer):
-    src = _save(tmp_path, "llama", smol_tokenizer)
+    src = save_tiny(tmp_path, "llama", smol_tokenizer)
     with pytest.raises(ValueError, match="trains the whole model"):
         quantize_to_folder(str(src), load_recipe("qat4"), str(tmp_path / "o"), stream=True)
 
@@ -166,5 +141,5 @@ def test_pad_id_at_the_vocabulary_end_streams(tmp_path, smol_tokenizer, calib_te
     cfg = load_recipe(recipe).replace(calib=str(calib_text), nsamples=4, seqlen=32, batch_size=2)
     streamed = quantize_to_folder(str(src), cfg, str(tmp_path / "s"), stream=True)
     whole = quantize_to_folder(str(src), cfg, str(tmp_path / "m"), stream=False)
-    a, b = _tensors(streamed.out), _tensors(whole.out)
+    a, b = folder_tensors(streamed.out), folder_tensors(whole.out)
     assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []

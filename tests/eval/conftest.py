@@ -29,10 +29,9 @@ def tiny_lm(family: str = "llama", vocab: int = 256, seed: int = 0, tie: bool = 
 
 def quantize_rtn(model, bits: int = 4, group_size: int = 32):
     """Swap every decoder linear for a 4-bit RTN QuantLinear (in place) and return the model."""
-    from compress.checkpoint import set_module
-    from compress.qlinear import QuantLinear
-    from compress.quant import Scheme
-    from compress.rtn import quantize_weight
+    from compress.format.checkpoint import set_module
+    from compress.format.qlinear import QuantLinear
+    from compress.format.quant import Scheme, quantize_weight
 
     scheme = Scheme(bits=bits, group_size=group_size)
     for name, m in list(model.named_modules()):
@@ -44,7 +43,7 @@ def quantize_rtn(model, bits: int = 4, group_size: int = 32):
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """The real SmolLM2 tokenizer (vocab 49152), read from the embedded GGUF once per session."""
-    from compress.models import load_tokenizer, resolve
+    from compress.format.models import load_tokenizer, resolve
 
     try:
         return load_tokenizer(resolve("smollm2-135m"))

@@ -81,7 +81,7 @@ def test_too_little_text_is_a_clear_error(make_lm, char_tokenizer):
 @pytest.mark.slow
 def test_real_smollm2_held_out_wiki_is_in_the_expected_range():
     from compress.data import load_texts
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     model, tok, _ = load_model("smollm2-135m")
     r = perplexity(model, tok, load_texts("wiki", "eval"), seqlen=512, max_windows=4)

@@ -10,8 +10,8 @@ from eval.report import SIZE_ON_DISK, evaluate, format_table
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, smol_tokenizer, make_lm, rtn):
     """A tiny fp model folder and its 4-bit RTN quantized folder, both with the SmolLM2 tokenizer."""
-    from compress.checkpoint import build_quantization_config, save_quantized
-    from compress.quant import Scheme
+    from compress.format.checkpoint import build_quantization_config, save_quantized
+    from compress.format.quant import Scheme
 
     root = tmp_path_factory.mktemp("models")
     model = make_lm("llama", vocab=len(smol_tokenizer), tie=True)

@@ -55,7 +55,7 @@ def test_server_root_takes_the_spellings_clients_use():
 def test_served_perplexity_equals_in_process(served, fp_dir, text_file):
     from transformers import AutoModelForCausalLM
 
-    from compress.models import load_tokenizer, resolve
+    from compress.format.models import load_tokenizer, resolve
 
     endpoint = connect(served.url + "/v1", api_key=KEY)
     assert endpoint.model == str(fp_dir) and endpoint.max_model_len == 256

@@ -33,7 +33,7 @@ def test_piqa_through_lm_eval_matches_a_direct_computation(make_lm, smol_tokeniz
 
 
 def test_quantized_model_is_scored_in_place(make_lm, rtn, smol_tokenizer):
-    from compress.checkpoint import quantized_modules
+    from compress.format.checkpoint import quantized_modules
 
     model = rtn(make_lm("llama", vocab=len(smol_tokenizer), tie=True))
     before = {n: m.qweight.clone() for n, m in quantized_modules(model).items()}
@@ -53,8 +53,8 @@ def test_unknown_task_and_bad_limit(make_lm, char_tokenizer):
 
 def test_model_with_a_quantized_embedding_is_scored(make_lm, smol_tokenizer):
     """HFLM re-ties a given model's embeddings; a tied int8 QuantEmbedding (recipes' `embed: int8`) has no .weight."""
-    from compress.embed_head import OuterPlan, quantize_outer
-    from compress.quant import Scheme
+    from compress.format.quant import Scheme
+    from compress.methods.embed_head import OuterPlan, quantize_outer
 
     model = make_lm("llama", vocab=len(smol_tokenizer), tie=True)
     quantize_outer(model, OuterPlan(Scheme(bits=8, group_size=-1), None, True))

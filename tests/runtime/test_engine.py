@@ -210,10 +210,9 @@ def test_requests_from_another_thread(tiny_dirs):
 
 
 def test_quantized_checkpoint_matches_transformers_with_the_same_quantlinears(tmp_path, smol_tokenizer):
-    from compress.checkpoint import build_quantization_config, save_quantized, set_module
-    from compress.qlinear import QuantLinear
-    from compress.quant import Scheme
-    from compress.rtn import quantize_weight
+    from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
+    from compress.format.qlinear import QuantLinear
+    from compress.format.quant import Scheme, quantize_weight
 
     hf = save_tiny("llama", tmp_path / "fp", smol_tokenizer)
     scheme = Scheme(bits=4, group_size=32, sym=False)
@@ -243,10 +242,9 @@ def test_quantized_checkpoint_matches_transformers_with_the_same_quantlinears(tm
 
 def rtn4_folder(hf, path) -> None:
     """``hf`` with every linear but the head replaced by its rtn4 QuantLinear (in place), saved as compress does."""
-    from compress.checkpoint import build_quantization_config, save_quantized, set_module
-    from compress.qlinear import QuantLinear
-    from compress.quant import Scheme
-    from compress.rtn import quantize_weight
+    from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
+    from compress.format.qlinear import QuantLinear
+    from compress.format.quant import Scheme, quantize_weight
 
     scheme = Scheme(bits=4, group_size=32, sym=False)
     for name, mod in list(hf.named_modules()):
@@ -321,9 +319,9 @@ def test_float16_is_refused_where_activations_overflow_it(tmp_path, monkeypatch)
 def test_compress_quantized_moe_matches_the_torch_quantized_model(tiny_dirs, tmp_path, calib_text, family, method):
     """A `compress quantize` MoE folder (packed experts) served by the engine gives the greedy tokens of the
     same folder loaded by compress's own loader (transformers with QuantLinear and PackedMoEExperts)."""
-    from compress.checkpoint import load_quantized
     from compress.config import QuantizeConfig
-    from compress.moe_packed import PackedMoEExperts
+    from compress.format.checkpoint import load_quantized
+    from compress.format.moe_packed import PackedMoEExperts
     from compress.job import quantize_to_folder
 
     out = tmp_path / "q"

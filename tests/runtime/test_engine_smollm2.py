@@ -21,7 +21,7 @@ def hf_greedy(model, tok, prompt: str, n: int = 64) -> list[int]:
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     model, tok, _ = load_model("smollm2-135m")
     return model, tok
@@ -45,10 +45,9 @@ def test_prompt_lookup_is_token_identical():
 
 
 def test_quantized_parity_with_quantlinear(smollm2, tmp_path):
-    from compress.checkpoint import build_quantization_config, load_quantized, save_quantized, set_module
-    from compress.qlinear import QuantLinear
-    from compress.quant import Scheme
-    from compress.rtn import quantize_weight
+    from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized, set_module
+    from compress.format.qlinear import QuantLinear
+    from compress.format.quant import Scheme, quantize_weight
 
     model, tok = smollm2
     scheme = Scheme(bits=4, group_size=64, sym=False)

@@ -217,14 +217,14 @@ def test_int8_linear(dtype, m, k, n, pad):
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_fused_int8_kernel_matches_the_aten_one(rows):
     """An int8 per-channel QuantLinear (asymmetric: with the zero-point correction) through both kernels."""
-    from compress import rtn
-    from compress.qlinear import QuantLinear
-    from compress.quant import Scheme
+    from compress.format import quant
+    from compress.format.qlinear import QuantLinear
+    from compress.format.quant import Scheme
     from runtime.kernels.qmatmul import prepare_linear
 
     g = torch.Generator().manual_seed(7)
     w = torch.randn(70, 150, generator=g)
-    ql = QuantLinear.from_quantized(rtn.quantize_weight(w, Scheme(bits=8, group_size=-1, sym=False)))
+    ql = QuantLinear.from_quantized(quant.quantize_weight(w, Scheme(bits=8, group_size=-1, sym=False)))
     x = torch.randn(rows, 150, generator=g)
     ref = ql(x)
     aten = prepare_linear(ql, "packed", torch.float32, fused=False)(x)

@@ -84,8 +84,8 @@ def test_logits_match_transformers(tmp_path, family, kv_cache_dtype):
 def test_quantized_checkpoint_matches_its_transformers_forward(neox_dir, tmp_path):
     """A `compress quantize` rtn4 GPT-NeoX is served with its QuantLinear layers through the runtime's quantized
     kernels: dequantized weights give the greedy tokens of compress's own loader exactly; the packed kernels run."""
-    from compress.checkpoint import load_quantized
     from compress.config import load_recipe
+    from compress.format.checkpoint import load_quantized
     from compress.job import quantize_to_folder
 
     out = quantize_to_folder(str(neox_dir[0]), load_recipe("rtn4").replace(group_size=32), str(tmp_path / "q"),

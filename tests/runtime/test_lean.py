@@ -44,7 +44,7 @@ def _held_bytes(model: torch.nn.Module) -> int:
 def test_default_startup_holds_the_codes_once_and_no_bf16_copies(tmp_path, smol_tokenizer):
     """rtn4 with a tied int8 embedding/head: the head's tiles are the embedding's bytes, no linear has a bf16 copy,
     and what the model holds is about the checkpoint's own tensors (scales widened to fp32 for the kernel)."""
-    from compress.shards import ShardReader
+    from compress.format.shards import ShardReader
     from runtime.kernels import w8a8
     from runtime.kernels.qmatmul import MkldnnLinear
 
@@ -99,14 +99,14 @@ def test_default_logits_are_as_close_to_exact_as_the_persistent_copies_path(tmp_
 @pytest.mark.parametrize("mode, vnni, per_weight", [("auto", True, 1), ("hybrid", True, 3), ("auto", False, 2),
                                                     ("hybrid", False, 2)])
 def test_the_copy_budget_counts_what_the_mode_keeps(monkeypatch, mode, vnni, per_weight):
-    from compress import memory
-    from compress.qlinear import QuantLinear
-    from compress.quant import Scheme
+    from compress.format import host
+    from compress.format.qlinear import QuantLinear
+    from compress.format.quant import Scheme
 
     monkeypatch.setattr(qmatmul.w8a8, "available", lambda: vnni)
     assert qmatmul.added_bytes_per_weight(mode, fused=True) == per_weight
     model = torch.nn.Sequential(QuantLinear(1024, 1024, Scheme(bits=4, group_size=64)))  # 2**20 weights
-    monkeypatch.setattr(memory, "available_bytes", lambda: int(per_weight * 2**20 / qmatmul.COPY_BUDGET))
+    monkeypatch.setattr(host, "available_bytes", lambda: int(per_weight * 2**20 / qmatmul.COPY_BUDGET))
     assert not qmatmul.too_large_for_copies(model, mode)  # exactly at the budget
-    monkeypatch.setattr(memory, "available_bytes", lambda: int(per_weight * 2**20 / qmatmul.COPY_BUDGET) - 1)
+    monkeypatch.setattr(host, "available_bytes", lambda: int(per_weight * 2**20 / qmatmul.COPY_BUDGET) - 1)
     assert qmatmul.too_large_for_copies(model, mode)

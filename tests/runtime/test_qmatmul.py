@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from compress.qlinear import QuantLinear
-from compress.quant import QuantizedWeight, Scheme
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import QuantizedWeight, Scheme
 from runtime.kernels.qmatmul import packed_path, prepare_linear
 
 

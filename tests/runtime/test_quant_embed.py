@@ -3,10 +3,10 @@ by the packed kernels from the same codes, no full-width fp table, greedy tokens
 import pytest
 import torch
 
-from compress.checkpoint import load_quantized
 from compress.config import load_recipe
+from compress.format.checkpoint import load_quantized
+from compress.format.qlinear import QuantEmbedding
 from compress.job import quantize_to_folder
-from compress.qlinear import QuantEmbedding
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.model_runner import ForwardItem

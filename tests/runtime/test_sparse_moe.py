@@ -4,10 +4,10 @@ import copy
 import pytest
 import torch
 
-from compress import moe as cmoe
 from compress.config import QuantizeConfig
-from compress.families import FAMILIES
-from compress.moe_packed import PackedLinears
+from compress.format.families import FAMILIES
+from compress.format.moe_packed import PackedLinears
+from compress.methods.common import moe as cmoe
 from runtime.kernels.moe import StackedLinears
 from runtime.models.loader import Checkpoint, build_model
 from runtime.models.moe import SparseMoE, route

@@ -4,9 +4,9 @@ import os
 import pytest
 import torch
 
-from compress import rtn
-from compress.moe_packed import PackedLinears
-from compress.quant import QuantizedWeight, Scheme, compute_qparams, quantize
+from compress.format import quant
+from compress.format.moe_packed import PackedLinears
+from compress.format.quant import QuantizedWeight, Scheme, compute_qparams, quantize
 from runtime.kernels.moe import StackedLinears, torch_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU: TRITON_INTERPRET=1 (tests/conftest.py)
@@ -37,7 +37,7 @@ def _packed(out_f: int, in_f: int, scheme: Scheme, act_order: bool, gen: torch.G
     for _ in range(E):
         w = torch.randn(out_f, in_f, generator=gen)
         if not act_order:
-            weights.append(rtn.quantize_weight(w, scheme))
+            weights.append(quant.quantize_weight(w, scheme))
             continue
         g_idx = torch.randint(0, scheme.n_groups(in_f), (in_f,), generator=gen)  # GPTQ act-order leaves these
         scale, zero = compute_qparams(w, scheme)

@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from compress.qlinear import QuantLinear
-from compress.quant import QuantizedWeight, Scheme, compute_qparams, quantize
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import QuantizedWeight, Scheme, compute_qparams, quantize
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU: TRITON_INTERPRET=1 (tests/conftest.py)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from compress.quant import Scheme
+from compress.format.quant import Scheme
 from runtime.kernels import cpu_ext, w8a8
 from runtime.kernels.qmatmul import prepare_linear
 from test_qmatmul import random_qlinear
@@ -109,7 +109,7 @@ def test_without_vnni_the_int4pack_path_runs(monkeypatch):
 
 
 def test_nf4_table_is_the_codebook_within_a_tenth_of_its_finest_half_step():
-    from compress.quant import nf4_codebook
+    from compress.format.quant import nf4_codebook
 
     table = (w8a8.nf4_table().float() - 128) / w8a8.NF4_UNIT
     cb = nf4_codebook()

@@ -40,7 +40,7 @@ def _tiny_folder(folder: Path) -> Path:
 
 
 def test_second_half_perplexity_scores_what_llama_perplexity_scores(tmp_path):
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     folder = _tiny_folder(tmp_path / "m")
     text = tmp_path / "t.txt"

@@ -1,4 +1,4 @@
-"""The README's family x step matrix is what compress/families.py says (scripts/support_matrix.py)."""
+"""The README's family x step matrix is what compress/format/families.py says (scripts/support_matrix.py)."""
 from __future__ import annotations
 
 import runpy
@@ -20,7 +20,7 @@ def test_the_readme_matrix_is_current(matrix):
 
 
 def test_one_row_per_family_read_from_the_table(matrix):
-    from compress.families import FAMILIES
+    from compress.format.families import FAMILIES
 
     rows = matrix.table().splitlines()[2:]
     assert [r.split("|")[1].strip() for r in rows] == [f"`{t}`" for t in FAMILIES]

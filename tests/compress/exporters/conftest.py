@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def quantized_dir(tmp_path_factory):
     """quantized_dir(family, bits, group, sym, act_order=False, hidden=64, fmt="int") -> saved folder."""
-    from compress.quant import Scheme
+    from compress.format.quant import Scheme
     from .models import byte_tokenizer, quantize_model, save, tiny_model
 
     cache: dict[tuple, Path] = {}

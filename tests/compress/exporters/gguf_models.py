@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from compress.quant import Scheme
+from compress.format.quant import Scheme
 
 VOCAB = 300  # the tokenizer fills 290 ids: the last 10 rows exercise GGUF's [PAD] tokens
 DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma")
@@ -51,10 +51,10 @@ def _dense(family: str, hidden: int = 64):
 def _moe(family: str, scheme: Scheme):
     from tiny_models import tiny_model
 
-    from compress import moe
     from compress.calibrate import decoder_layers
     from compress.config import QuantizeConfig
-    from compress.families import FAMILIES
+    from compress.format.families import FAMILIES
+    from compress.methods.common import moe
 
     model = tiny_model(family, vocab=VOCAB, hidden=128)  # expert widths 96 / 128: whole 32-wide blocks
     cfg = QuantizeConfig(method="rtn", bits=scheme.bits, group_size=scheme.group_size, sym=scheme.sym)
@@ -65,7 +65,7 @@ def _moe(family: str, scheme: Scheme):
 
 def build(folder: Path, family: str, scheme: Scheme, act_order: bool = False, hidden: int = 64) -> Path:
     """Quantize a tiny random ``family`` model by RTN (lm_head and routers stay fp) and save it."""
-    from compress.checkpoint import build_quantization_config, save_quantized
+    from compress.format.checkpoint import build_quantization_config, save_quantized
 
     from .models import quantize_model
 

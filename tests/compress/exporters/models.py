@@ -4,10 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compress.checkpoint import build_quantization_config, save_quantized, set_module
-from compress.qlinear import QuantLinear
-from compress.quant import Scheme
-from compress.rtn import quantize_weight
+from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import Scheme, quantize_weight
 from tiny_models import byte_tokenizer  # noqa: F401  (the export tests' tokenizer)
 
 # hidden 72: a group of 32 leaves a ragged last group of 8; intermediate 128 divides
@@ -49,8 +48,8 @@ def act_order_map(in_features: int, scheme: Scheme, gen: torch.Generator) -> tor
 def quantize_model(model: nn.Module, scheme: Scheme, act_order: bool = False, seed: int = 0,
                    skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
     """RTN every nn.Linear except ``skip`` into QuantLinear (act-order: a random g_idx with its own qparams)."""
-    from compress.quant import compute_qparams, quantize
-    from compress.quant import QuantizedWeight
+    from compress.format.quant import QuantizedWeight
+    from compress.format.quant import compute_qparams, quantize
 
     gen = torch.Generator().manual_seed(seed)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.split(".")[-1] not in skip]
@@ -69,6 +68,6 @@ def quantize_model(model: nn.Module, scheme: Scheme, act_order: bool = False, se
 
 
 def save(model: nn.Module, folder, scheme: Scheme, act_order: bool = False, tokenizer=None):
-    """Save as compress quantize would (a tokenizer is needed: compress.models.load_model reads one)."""
+    """Save as compress quantize would (a tokenizer is needed: compress.format.models.load_model reads one)."""
     qc = build_quantization_config(model, "rtn", scheme, act_order)
     return save_quantized(model, tokenizer or byte_tokenizer(), folder, qc)

@@ -1,7 +1,7 @@
 """Quantized embeddings and LM heads for the export tests: rewrite a checkpoint saved today into the issue-32 format.
 
 ``with_tables`` copies a compress folder and quantizes its ``model.embed_tokens`` and/or ``lm_head`` by RTN with
-compress.quant's functions, storing them exactly as a QuantLinear (``E.qweight``/``E.scales``/``E.qzeros``, no
+compress.format.quant's functions, storing them exactly as a QuantLinear (``E.qweight``/``E.scales``/``E.qzeros``, no
 ``E.weight``) and recording ``quantization_config["embed"]``/``["head"]``. A tied model with a quantized embedding
 keeps one tensor set (the head entry says ``tied``); an untied quantized head is also listed in ``modules``.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from compress.quant import Scheme, compute_qparams, pack, quantize
+from compress.format.quant import Scheme, compute_qparams, pack, quantize
 
 EMBED, HEAD = "model.embed_tokens", "lm_head"
 

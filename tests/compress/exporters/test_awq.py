@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from compress.checkpoint import load_quantized, quantized_modules
 from compress.exporters.dispatch import export
+from compress.format.checkpoint import load_quantized, quantized_modules
 
 AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
 

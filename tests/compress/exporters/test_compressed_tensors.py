@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from compress.checkpoint import load_quantized
 from compress.exporters.dispatch import export
+from compress.format.checkpoint import load_quantized
 
 ct = pytest.importorskip("compressed_tensors")  # verification dependency (dev extra)
 

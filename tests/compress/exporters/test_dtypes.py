@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import byte_tokenizer, tiny_model
 
-from compress.checkpoint import load_quantized
 from compress.exporters.dispatch import FORMATS, export
 from compress.exporters.dtypes import choose, first_overflow
+from compress.format.checkpoint import load_quantized
 
-from compress.quant import Scheme
+from compress.format.quant import Scheme
 
 from .models import quantize_model, save
 
@@ -139,8 +139,8 @@ def test_quantize_keeps_the_source_dtype_and_exports_follow_it(tmp_path, stream)
     """A bf16 checkpoint: `compress quantize` (in memory or streamed) stores what it does not quantize in bf16,
     and the export's default dtype is bf16 again, though the folder's config records the fp32 it computed in."""
     from compress.api import quantize
-    from compress.models import declared_dtype, resolve
-    from compress.shards import ShardReader
+    from compress.format.models import declared_dtype, resolve
+    from compress.format.shards import ShardReader
 
     model = tiny_model("llama").to(torch.bfloat16)
     model.save_pretrained(tmp_path / "fp")

@@ -1,4 +1,4 @@
-"""Every family's awq4 folder (tests/compress/test_families.py makes them) exported and read back by others'
+"""Every family's awq4 folder (tests/compress/format/test_families.py makes them) exported and read back by others'
 code: transformers loads the compressed-tensors export with our logits; GPTQ and AWQ exports decoded by reference
 unpackers give our logits in the family's transformers model; ONNX Runtime runs the onnx-int4 export of each
 family the table marks ``onnx``, with its key/value cache past the sliding window; MoE folders are refused by the
@@ -11,9 +11,9 @@ import pytest
 import torch
 from tiny_models import BLOCK_VARIANTS, FAMILIES, MOE_FAMILIES, one_thread, quantize_tiny
 
-from compress.checkpoint import load_quantized, quantized_modules
 from compress.exporters.dispatch import export
-from compress.families import supports
+from compress.format.checkpoint import load_quantized, quantized_modules
+from compress.format.families import supports
 
 from .test_awq import reference_dequantize as awq_dequantize
 from .test_gptq import reference_dequantize as gptq_dequantize

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from compress.checkpoint import load_quantized
 from compress.exporters.dispatch import export
 from compress.exporters.gguf import GGUFOptions
-from compress.quant import Scheme
+from compress.format.checkpoint import load_quantized
+from compress.format.quant import Scheme
 
 from .gguf_models import CHAT_TEMPLATE, DENSE, MOE, VOCAB, build, rope_interleave
 
@@ -89,7 +89,7 @@ def test_metadata_tokenizer_and_tensors_read_back(checkpoint, family, tmp_path):
     if family in MOE:
         assert f[f"{arch}.expert_count"] == 4 and f[f"{arch}.expert_used_count"] == 2
     # tokenizer: every id, its type, the merges, the special ids and the chat template
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     tok = load_model(str(src))[1]  # what transformers makes of the saved tokenizer for this family
     tokens = f["tokenizer.ggml.tokens"]
@@ -174,7 +174,7 @@ def test_requantize_rounds_again_by_llama_cpp_rules_and_says_so(checkpoint, tmp_
 def test_unsupported_architecture_is_refused_naming_the_supported(tmp_path, monkeypatch, checkpoint):
     import dataclasses
 
-    from compress import families
+    from compress.format import families
 
     monkeypatch.setitem(families.FAMILIES, "llama", dataclasses.replace(families.FAMILIES["llama"], gguf=None))
     with pytest.raises(ValueError, match="does not handle model_type 'llama'; supported: mistral"):
@@ -234,7 +234,7 @@ def test_recipes_say_which_gguf_type_they_export_to_losslessly():
 
 def test_act_order_folds_when_every_block_lies_in_one_group():
     from compress.exporters.gguf import encode_exact, why_not
-    from compress.quant import QuantizedWeight, compute_qparams, quantize
+    from compress.format.quant import QuantizedWeight, compute_qparams, quantize
 
     s = Scheme(4, 32, sym=True)
     w = torch.randn(6, 128, generator=torch.Generator().manual_seed(0))
@@ -285,7 +285,7 @@ NEW = {  # family -> llama.cpp's tensors of one block, and metadata its graph re
 @pytest.mark.parametrize("family", NEW)
 def test_newer_families_carry_llama_cpps_names_and_metadata(checkpoint, family, tmp_path):
     """llama.cpp itself loads and runs these (test_gguf_llamacpp.py); here: the names and keys it reads."""
-    from compress.families import FAMILIES
+    from compress.format.families import FAMILIES
 
     reader = gguf.GGUFReader(_export(checkpoint(family), tmp_path / "m.gguf"))
     arch = FAMILIES[family].gguf.name

@@ -1,12 +1,12 @@
-"""compress/gguf_dequant.py (beside the GGUF export tests, whose tiny GGUFs it reads): a GGUF dequantized one tensor at a time gives exactly what transformers' whole-model GGUF loading gives."""
+"""compress/format/gguf_dequant.py (beside the GGUF export tests, whose tiny GGUFs it reads): a GGUF dequantized one tensor at a time gives exactly what transformers' whole-model GGUF loading gives."""
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from compress import gguf_dequant
 from compress.exporters.dispatch import export
-from compress.quant import Scheme
-from compress.shards import INDEX, shard_files
+from compress.format import gguf_dequant
+from compress.format.quant import Scheme
+from compress.format.shards import INDEX, shard_files
 
 from .gguf_models import build
 
@@ -43,7 +43,7 @@ def test_shapes_transformers_does_not_read_come_from_the_metadata(tmp_path, fami
     the lossless Q4_0 GGUF of a quantized checkpoint dequantizes back to that checkpoint's own function."""
     from transformers import AutoModelForCausalLM
 
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     from compress.exporters.gguf import GGUFOptions
 

@@ -18,8 +18,8 @@ import torch
 
 from compress.exporters.dispatch import export
 from compress.exporters.gguf import GGUFOptions
-from compress.models import load_model
-from compress.quant import Scheme
+from compress.format.models import load_model
+from compress.format.quant import Scheme
 
 from .gguf_models import build
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from compress.exporters import gguf_quants as gq
-from compress.quant import Scheme, compute_qparams, dequantize, quantize
+from compress.format.quant import Scheme, compute_qparams, dequantize, quantize
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType

@@ -11,7 +11,7 @@ from real_configs import build as build_real
 from compress.exporters import gguf_arch
 from compress.exporters.dispatch import export
 from compress.exporters.gguf import GGUFOptions
-from compress.families import FAMILIES
+from compress.format.families import FAMILIES
 
 KIND = {r.id: (tiny_config(r).rope_parameters or {}).get("rope_type", "default") for r in load_all()}
 SCALED = {r.id: r for r in load_all() if KIND[r.id] in ("llama3", "longrope")}
@@ -130,7 +130,7 @@ def test_gguf_carries_the_rope_factors(rid, tmp_path):
 def test_llama3_gguf_logits_through_compress_eval_loader(tmp_path, rid):
     """transformers' GGUF reader drops ``rope_freqs``; the loader (`compress eval FILE.gguf`, quantize and serve from a
     GGUF) reads it back as llama3 rope parameters, so the loaded model's logits are the checkpoint's."""
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     from .gguf_models import bpe_tokenizer
 
@@ -147,7 +147,7 @@ def test_llama3_gguf_logits_through_compress_eval_loader(tmp_path, rid):
 @pytest.mark.parametrize("rid", sorted(r for r in SCALED if KIND[r] == "llama3"))
 def test_llama3_parameters_from_factors_reproduce_the_factors(rid):
     """The published (full-width) factors and the tiny model's both come back from the recovered parameters."""
-    from compress.gguf_dequant import llama3_rope_from_factors
+    from compress.format.gguf_dequant import llama3_rope_from_factors
 
     for config in (_published(SCALED[rid]), tiny_config(SCALED[rid])):
         params, _ = gguf_arch.rope_parameters(config)

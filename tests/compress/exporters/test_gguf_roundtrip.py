@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from compress.checkpoint import load_quantized
 from compress.exporters.dispatch import export
 from compress.exporters.gguf import GGUFOptions
-from compress.models import load_model
-from compress.quant import Scheme
+from compress.format.checkpoint import load_quantized
+from compress.format.models import load_model
+from compress.format.quant import Scheme
 
 from .gguf_models import build
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from compress.checkpoint import load_quantized, quantized_modules
 from compress.exporters.dispatch import export
+from compress.format.checkpoint import load_quantized, quantized_modules
 
 
 def _unpack_rows(words: np.ndarray, bits: int) -> np.ndarray:
@@ -74,13 +74,13 @@ def test_reference_unpacker_reproduces_our_weights(exported, family, bits, group
 
 
 def test_layers_outside_the_common_scheme_are_listed_in_dynamic(tmp_path):
-    from compress.quant import Scheme
+    from compress.format.quant import Scheme
     from .models import quantize_model, save, tiny_model
 
     model = quantize_model(tiny_model("llama"), Scheme(4, 32))
-    from compress.checkpoint import set_module
-    from compress.qlinear import QuantLinear
-    from compress.rtn import quantize_weight
+    from compress.format.checkpoint import set_module
+    from compress.format.qlinear import QuantLinear
+    from compress.format.quant import quantize_weight
 
     down = model.model.layers[1].mlp.down_proj
     set_module(model, "model.layers.1.mlp.down_proj",
@@ -108,7 +108,7 @@ def test_refuses_what_v1_cannot_carry(quantized_dir, tmp_path, recipe, why):
 
 def test_zero_point_zero_is_written_as_v2_with_exact_zeros(tmp_path):
     """v1 cannot store a zero of 0 ('zero - 1' wraps): the model goes out as gptq_v2, every layer's zeros exact."""
-    from compress.quant import Scheme
+    from compress.format.quant import Scheme
     from .models import quantize_model, save, tiny_model
 
     model = quantize_model(tiny_model("llama"), Scheme(4, 32))
@@ -130,7 +130,7 @@ def test_zero_point_zero_is_written_as_v2_with_exact_zeros(tmp_path):
 def test_zero_floor_one_keeps_a_checkpoint_in_v1(tmp_path, zero_floor, fmt):
     """Non-negative groups get zero 0 by min/max rounding (v2); quantized with zero_floor 1 the same model is v1,
     and the floor travels in the checkpoint's scheme."""
-    from compress.quant import Scheme
+    from compress.format.quant import Scheme
     from .models import quantize_model, save, tiny_model
 
     model = tiny_model("llama")

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from compress.checkpoint import load_quantized
 from compress.exporters.dispatch import export
 from compress.exporters.onnx_fp import input_names, output_names
 from compress.exporters.onnx_runner import OnnxCausalLM, greedy_generate, position_ids
+from compress.format.checkpoint import load_quantized
 
 IDS = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
 

@@ -7,14 +7,13 @@ import pytest
 import torch
 from onnx import helper, numpy_helper
 
-from compress.checkpoint import load_quantized, quantized_modules
 from compress.exporters.dispatch import export
 from compress.exporters.onnx_int4 import _reference, block_size, check, column_order, nbits_tensors
 from compress.exporters.onnx_runner import OnnxCausalLM, greedy_generate
 from compress.exporters.packing import unpack_nibbles
-from compress.qlinear import QuantLinear
-from compress.quant import QuantizedWeight, Scheme, compute_qparams, quantize
-from compress.rtn import quantize_weight
+from compress.format.checkpoint import load_quantized, quantized_modules
+from compress.format.qlinear import QuantLinear
+from compress.format.quant import QuantizedWeight, Scheme, compute_qparams, quantize, quantize_weight
 
 
 def _layer(k: int, n: int, scheme: Scheme, act_order: bool = False, seed: int = 0) -> QuantLinear:

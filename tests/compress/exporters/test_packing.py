@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from compress.exporters.packing import AWQ_ORDER, awq_interleave, dense_pack, dense_unpack, pack_nibbles, unpack_nibbles
-from compress.quant import pack
+from compress.format.quant import pack
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -5,8 +5,8 @@ import pytest
 import torch
 from tiny_models import tiny_config
 
-from compress.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.config import QuantizeConfig
+from compress.format.checkpoint import build_quantization_config, load_quantized, save_quantized
 from compress.pipeline import quantize_model
 
 from .gguf_models import bpe_tokenizer
@@ -65,7 +65,7 @@ def test_gguf_export_of_the_rotated_checkpoint_reads_back_with_its_logits(rotate
     pytest.importorskip("gguf")
     from compress.exporters.dispatch import export
     from compress.exporters.gguf import GGUFOptions
-    from compress.models import load_model
+    from compress.format.models import load_model
 
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
     q = rotated

@@ -8,9 +8,9 @@ import torch
 from click.testing import CliRunner
 
 from cli import main
-from compress.checkpoint import load_quantized, quantized_modules
 from compress.exporters.dispatch import export
 from compress.exporters.onnx_runner import OnnxCausalLM, greedy_generate
+from compress.format.checkpoint import load_quantized, quantized_modules
 
 pytestmark = pytest.mark.slow
 PROMPT = "The three most important things to know about the ocean are"

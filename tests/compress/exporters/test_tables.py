@@ -13,7 +13,7 @@ import torch
 from compress.exporters.common import read_tables
 from compress.exporters.dispatch import export
 from compress.exporters.gguf import GGUFOptions
-from compress.quant import Scheme
+from compress.format.quant import Scheme
 
 from .gguf_models import build
 from .tables import with_tables
@@ -172,7 +172,7 @@ def test_compressed_tensors_quantized_head_loads_in_transformers_with_our_logits
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from compress.checkpoint import load_quantized
+    from compress.format.checkpoint import load_quantized
 
     src = small(*case)
     out = export(str(src), "compressed-tensors", tmp_path / "c", dtype="float32", dequantize_embedding=True)
@@ -199,8 +199,8 @@ def test_onnx_int4_runs_the_embedding_and_head_from_our_codes(small, tmp_path, c
     MatMulNBits; ONNX Runtime's logits equal the checkpoint's."""
     onnx = pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
-    from compress.checkpoint import load_quantized, quantized_modules
     from compress.exporters.onnx_runner import OnnxCausalLM
+    from compress.format.checkpoint import load_quantized, quantized_modules
 
     src = small(*case)
     out = export(str(src), "onnx-int4", tmp_path / "o")
@@ -237,7 +237,7 @@ def wide(tmp_path_factory):
 def test_gguf_fp_head_of_a_quantized_model_defaults_to_q6_k(wide, tmp_path, family, head):
     """As llama.cpp's Q4_K_M: ``output`` (a tied model's ``token_embd``) as Q6_K; an untied embedding keeps
     --embed-type's default; the Q6_K values are within a step of the fp head, as llama.cpp's own rounding."""
-    from compress.checkpoint import load_quantized
+    from compress.format.checkpoint import load_quantized
 
     src = wide(family)
     tensors = _reader(export(str(src), "gguf", tmp_path / "m.gguf"))
@@ -272,7 +272,7 @@ def test_gather_block_quantized_reference_equals_our_dequantized_rows(scheme, bl
     """The module's eager path (GatherBlockQuantized's math) gives the checkpoint's rows, or the scheme is left to
     the dequantized table."""
     from compress.exporters.onnx_int4 import GatherQuantizedEmbedding, gather_block
-    from compress.quant import QuantizedWeight, compute_qparams, quantize
+    from compress.format.quant import QuantizedWeight, compute_qparams, quantize
 
     w = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
     scale, zero = compute_qparams(w, scheme)
@@ -292,8 +292,8 @@ def test_gguf_with_quantized_tables_reads_back_as_the_checkpoints_model(tabled, 
     logits of the checkpoint itself, every table being exact (Q8_0/Q4_0)."""
     from transformers import AutoModelForCausalLM
 
-    from compress import gguf_dequant
-    from compress.checkpoint import load_quantized
+    from compress.format import gguf_dequant
+    from compress.format.checkpoint import load_quantized
 
     src = tabled(family, embed, head)
     path = export(str(src), "gguf", tmp_path / "m.gguf", options=GGUFOptions(embed_type="f32"))

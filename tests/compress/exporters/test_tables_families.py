@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import FAMILIES, MOE_FAMILIES, one_thread, tiny_model
 
-from compress.checkpoint import load_quantized
 from compress.config import load_recipe
-from compress.embed_head import OUTER_SCHEMES
 from compress.exporters.dispatch import export
-from compress.families import supports
+from compress.format.checkpoint import load_quantized
+from compress.format.families import supports
+from compress.format.quant import quantize_weight
 from compress.job import quantize_to_folder
-from compress.rtn import quantize_weight
+from compress.methods.embed_head import OUTER_SCHEMES
 
 from .gguf_models import bpe_tokenizer
 from .test_awq import reference_dequantize as awq_dequantize

@@ -1,0 +1,63 @@
+"""GPTQ's Hessians: the running mean of ``2 x^T x`` over calibration tokens (optionally each token weighted), and
+which linears share one because they read the very same tensor."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Hessian:
+    """Running mean of ``2 x^T x`` over calibration tokens, held in float32. ``product``: the dtype its ``x^T x``
+    products were computed in (:meth:`add` computes in float32; compress/onepass.py builds bfloat16 ones, whose
+    per-sequence sums are rounded to bfloat16's 8 bits and average out)."""
+
+    H: Tensor
+    n: int = 0
+    product: torch.dtype = torch.float32
+
+    @classmethod
+    def zeros(cls, in_features: int) -> "Hessian":
+        return cls(torch.zeros(in_features, in_features, dtype=torch.float32))
+
+    def add(self, x: Tensor, weight: Tensor | None = None) -> None:
+        """``x: [..., in]``; ``weight: [...]`` counts each token's ``x x^T`` that many times
+        (compress/methods/common/guided.py)."""
+        x = x.reshape(-1, x.shape[-1]).float()
+        if weight is not None:
+            x = x * weight.reshape(-1, 1).sqrt()
+        t = x.shape[0]
+        self.H.mul_(self.n / (self.n + t))
+        self.n += t
+        x = x * (2 / self.n) ** 0.5
+        self.H.addmm_(x.T, x)
+
+    def release(self) -> Tensor:
+        """The matrix, handed over: this object lets go of it, so that :func:`quantize_weight` frees it as
+        soon as its own working copy exists (one [in, in] matrix less at the peak)."""
+        H, self.H = self.H, None
+        return H
+
+
+@dataclass
+class InputOwners:
+    """Which linear's Hessian each linear adds to: linears fed the very same tensor (q/k/v, gate/up) share the
+    first one's. Decided on the first call of each; the first inputs are held so that their addresses stay
+    unique while the others are compared against them."""
+
+    owner: dict = field(default_factory=dict)
+    _first: dict[int, tuple] = field(default_factory=dict)
+
+    def owns(self, key, x: Tensor) -> bool:
+        """Whether ``key`` keeps its own Hessian (and so adds ``x`` to it)."""
+        if key not in self.owner:
+            rep = self._first.get(x.data_ptr())
+            self.owner[key] = rep[0] if rep is not None and rep[1] is x else key
+            self._first.setdefault(x.data_ptr(), (key, x))
+        return self.owner[key] == key
+
+    def forget(self) -> None:
+        """Drop the first inputs once every linear's owner is known (the decisions stay)."""
+        self._first.clear()

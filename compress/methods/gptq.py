@@ -1,0 +1,91 @@
+"""GPTQ (Frantar et al., 2022), the method: the adapter that hooks a decoder block's linears to accumulate their
+Hessians, then rounds each with the solver (methods/common/gptq_solver.py, which AWQ's GPTQ rounding and the
+untied head's GPTQ share)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from compress.calibrate import BlockInputs, Run, autocast_of, layers_name, run_sequential, swap_linear, target_linears
+from compress.config import QuantizeConfig
+from compress.format import quant
+from compress.methods.common import fallback, guided
+from compress.methods.common.gptq_solver import observe, quantize_weight
+from compress.methods.common.hessian import Hessian
+from compress.methods.common.moe import ExpertResult, intermediate
+from compress.offload import empty_like
+
+log = logging.getLogger(__name__)
+
+
+def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeConfig) -> ExpertResult:
+    """GPTQ of one MoE expert on its routed tokens ``x [n, H]``; the down projection's Hessian is taken on
+    the outputs of the already quantized gate/up (sequential within the expert)."""
+    h = Hessian.zeros(x.shape[1])
+    h.add(x)
+    gu = quantize_weight(w_gu, h.release(), cfg.scheme, cfg.gptq, cfg.weighted_range)
+    inter = intermediate(x, gu.weight.dequantize(), act)
+    h = Hessian.zeros(inter.shape[1])
+    h.add(inter)
+    dn = quantize_weight(w_down, h.release(), cfg.scheme, cfg.gptq, cfg.weighted_range)
+    return ExpertResult(gu.weight, dn.weight, {"gate_up_proj": gu.loss, "down_proj": dn.loss})
+
+
+def _natural(lin: nn.Linear, cfg: QuantizeConfig) -> Tensor:
+    """Each input column's group in natural order: ``g_idx`` of a weight rounded without act-order."""
+    return (torch.arange(lin.in_features) // cfg.scheme.group(lin.in_features)).to(torch.int32)
+
+
+def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], hessians: dict[str, Hessian],
+                      cfg: QuantizeConfig, run: Run, held: dict[str, Hessian] | None = None, prefix: str = "") -> None:
+    """GPTQ of each of a block's linears against its Hessian, swapped for its packed weight; given the Hessians of
+    held-out windows (``held``), RTN's weight where its output error there is smaller (compress/methods/common/fallback.py)."""
+    for name, lin in linears.items():
+        h = hessians.pop(name)
+        shared = any(other is h for other in hessians.values())  # q/k/v: the last of them takes it
+        res = quantize_weight(lin.weight.data, h.H if shared else h.release(), cfg.scheme, cfg.gptq, cfg.weighted_range,
+                              keep_latent=run.latents is not None)
+        record, weight = {"layer": i, "name": name, "loss": res.loss}, res.weight
+        if held is not None:
+            plain = quant.quantize_weight(lin.weight.data, cfg.scheme)
+            choice = fallback.compare(lin.weight.data, res.weight.dequantize(), plain.dequantize(), held[name].H)
+            record.update(choice.record(), names=[f"{prefix}{name}"])
+            log.info("%s%s: held-out error gptq %.4g, rtn %.4g -> %s", prefix, name, record["heldout_error"],
+                     record["rtn_heldout_error"], "rtn" if choice.rtn else "gptq")
+            if choice.rtn:  # under act-order the checkpoint's linears all carry a g_idx: RTN's is the natural one
+                weight = plain if res.weight.g_idx is None else dataclasses.replace(plain, g_idx=_natural(lin, cfg))
+        run.report.layers.append(record)
+        if run.latents is not None:
+            run.latents[lin] = res.latent
+        swap_linear(block, name, lin, weight)
+
+
+def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
+    """GPTQ, block by block, then each block's MoE experts. Each block's Hessians are taken on the previous blocks'
+    quantized outputs, or with ``sequential: false`` on the fp model's (the fp block's outputs, seen while its
+    Hessians are taken, go on to the next block: one forward per block, not two). Products in float32: from
+    bfloat16 ones SmolLM2's block 0 o_proj Hessian is not positive definite even at damp 0.05.
+    ``guided``: the gradient pass (compress/methods/common/guided.py) first weighs every token of each linear's Hessian. With
+    held-out batches (``run.holdout``), GPTQ fits on the others and each linear keeps RTN where that is better on
+    them (the MoE experts, not judged, fit on every batch)."""
+    prefix = layers_name(model)
+    fp = not cfg.gptq.sequential
+    tw = guided.token_weights(model, run.fit_batches, cfg.ignore, cfg.gptq.guided_mix, cfg.gptq.guided_nsamples,
+                              run.progress) if cfg.gptq.guided else None
+
+    def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> list[Tensor] | None:
+        linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
+        weights = None if tw is None else {n: tw.pop((i, n)) for n in linears}
+        fit_inputs, held_inputs = inputs.split(run.holdout)
+        outputs = empty_like(inputs.hidden) if fp else None  # the fp block's, fit batches first, as they come in
+        hessians = observe(block, linears, fit_inputs, weights, outputs)
+        held = None if held_inputs is None else observe(block, linears, held_inputs, outputs=outputs)
+        _quantize_linears(i, block, linears, hessians, cfg, run, held, f"{prefix}.{i}.")
+        if run.experts is not None:
+            run.report.layers.extend(run.experts(i, block, inputs, partial(quantize_expert, cfg=cfg)))
+        return outputs
+    run_sequential(model, run.batches, per_block, run.progress, autocast_of(cfg.calib_dtype), run.store)
