@@ -118,8 +118,9 @@ def check_embed(source: Source, fmt: str, dequantize: bool) -> None:
         return
     rows, width = table.weight.q.shape
     tied = " and its tied head" if source.tables.head is not None and source.tables.head.tied else ""
-    raise ValueError(f"--format {fmt} cannot carry the quantized embedding {table.name} ({table.weight.scheme}: "
-                     f"{why}). Pass --dequantize-embedding to write it{tied} at full width (+{rows * width * 2 / 2**20:,.0f} "
+    s = table.weight.scheme
+    codes = f"{s.bits}-bit {s.format} codes, " + ("per row" if s.group_size == -1 else f"groups of {s.group_size}")
+    raise ValueError(f"--format {fmt} cannot carry the quantized embedding {table.name} ({codes}: {why}). Pass --dequantize-embedding to write it{tied} at full width (+{rows * width * 2 / 2**20:,.0f} "
                      "MiB at 16 bits), or quantize with --embed none; gguf and onnx-int4 carry its codes")
 
 
