@@ -134,7 +134,7 @@ def check_outer(src, cfg: QuantizeConfig, trust_remote_code: bool) -> str | None
         return (f"head_method: gptq calibrates the head on the quantized body's final hidden states, which a "
                 f"streamed {cfg.method} run does not compute (gptq and awq runs do)")
     if getattr(text, "model_type", None) not in FAMILIES:
-        return "head_method: gptq on a streamed run needs the family's final norm (compress/families.py)"
+        return "head_method: gptq on a streamed run needs the family's final norm (compress/format/families.py)"
     return None
 
 

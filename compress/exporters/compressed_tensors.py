@@ -83,7 +83,7 @@ def quantization_config(model, qmodules: dict[str, QuantLinear]) -> dict:
 def layer_tensors(name: str, m: QuantLinear, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     bits = m.scheme.bits
     out = {
-        f"{name}.weight_packed": m.qweight.clone(),  # compress/quant.py's packing is exactly this for 2/4/8 bits
+        f"{name}.weight_packed": m.qweight.clone(),  # compress/format/quant.py's packing is exactly this for 2/4/8 bits
         f"{name}.weight_scale": m.scales.to(dtype),
         f"{name}.weight_shape": torch.tensor([m.out_features, m.in_features], dtype=torch.int64),
     }

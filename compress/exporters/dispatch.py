@@ -40,7 +40,7 @@ class ExportFormat:
     options: str | None = None
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")  # compress/exporters/dtypes.py DTYPES
     own_dtype: bool = False
-    family_step: str | None = None  # the step of compress/families.py that must handle the model type
+    family_step: str | None = None  # the step of compress/format/families.py that must handle the model type
     experts: bool = False  # carries packed MoE experts
     fp16_probe: bool = True  # float16 only after a float16 forward of the model stays finite
     # a quantized embedding/head (exporters/common.py Tables): "codes" writes both from their own codes (never
@@ -86,7 +86,7 @@ def check_experts(source: Source, fmt: str) -> None:
         can = ", ".join(n for n, f in FORMATS.items() if f.experts)
         raise ValueError(f"--format {fmt} cannot carry {packed[0]} (packed MoE experts, {len(packed)} layer(s); "
                          f"it writes tensors per nn.Linear). Formats that can: {can} (for the families with a GGUF "
-                         "architecture in compress/families.py); the compress folder keeps them as they are")
+                         "architecture in compress/format/families.py); the compress folder keeps them as they are")
 
 
 def check_layers(source: Source, fmt: str) -> None:

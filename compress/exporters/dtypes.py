@@ -1,7 +1,7 @@
 """The float dtype of an export's unquantized tensors: the model's own by default, float16 only where it is safe.
 
 ``--dtype`` takes float32, float16 or bfloat16 where the format's runtime computes in it. Left out, an export
-writes the dtype the model is published in (compress/models.py ``declared_dtype``; bfloat16 for Gemma and most
+writes the dtype the model is published in (compress/format/models.py ``declared_dtype``; bfloat16 for Gemma and most
 current models), or the format's own default where its runtime cannot use that dtype (ONNX Runtime's CPU kernels
 have no bfloat16 MatMul: float32 there) or none is known (a GGUF source: bfloat16, float32's range at half the
 size). float16 keeps 5 exponent bits (max 65504) and some families' activations exceed that (Gemma 2/3's

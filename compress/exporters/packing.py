@@ -1,7 +1,7 @@
 """Bit packings of the export formats, as pure tensor functions over unsigned integer codes.
 
 - ``dense_pack``: one LSB-first bit stream per row, code ``i`` at bits ``[i*bits, (i+1)*bits)`` of the
-  row's stream, cut into int32 words. For 2/4/8 bits this is compress/quant.py's ``pack``; for 3 bits
+  row's stream, cut into int32 words. For 2/4/8 bits this is compress/format/quant.py's ``pack``; for 3 bits
   a code may straddle two words (AutoGPTQ's 3-bit layout: 32 codes in 3 words).
 - ``awq_interleave``: AutoAWQ GEMM's order of 8 nibbles inside a word, ``[0, 2, 4, 6, 1, 3, 5, 7]``.
 - ``pack_nibbles``: ONNX Runtime's MatMulNBits byte layout, two 4-bit codes a byte, low nibble first.

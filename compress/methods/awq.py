@@ -1,7 +1,7 @@
 """AWQ (Lin et al., 2023): protect the weight channels that see large activations by scaling them up
 before rounding (and the feeding op down), then search a clipping range per group. Pure tensor
 functions at the top; below them the adapter that samples a decoder block's inputs with hooks and
-applies the smoothing in place (which op feeds which linears is data, compress/mappings.py), and the
+applies the smoothing in place (which op feeds which linears is data, compress/format/mappings.py), and the
 same steps for one MoE expert (its up -> down pair).
 """
 from __future__ import annotations
@@ -19,11 +19,12 @@ from torch.func import functional_call
 
 from compress.calibrate import BlockInputs, Run, autocast_of, layers_name, run_sequential, swap_linear, target_linears
 from compress.config import QuantizeConfig
-from compress.format import quant as rtn  # the RTN rounding, quant.quantize_weight, by the name used below
 from compress.format.mappings import BlockMap, Smooth, block_map
-from compress.format.quant import QuantizedWeight, Scheme, fake_quantize, fake_quantize_groups, group_index
+from compress.format.quant import QuantizedWeight, Scheme, fake_quantize, quantize_weight
 from compress.methods.common import fallback, guided
-from compress.methods.common import gptq_solver as gptq  # GPTQ's Hessian, solver and observe
+from compress.methods.common.clip import clip_weight, full_range, grouped, search_clip
+from compress.methods.common.sampler import Sampler
+from compress.methods.common import gptq_solver
 from compress.methods.common.moe import ExpertResult, intermediate
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class ScaleResult:
 def weight_mean(weights: list[Tensor], scheme: Scheme) -> Tensor:
     """Mean over output rows of each input channel's |w| relative to its group's max: [in]."""
     w = torch.cat([x.float() for x in weights])
-    wg = _grouped(w.abs(), scheme)  # [rows, G, g]
+    wg = grouped(w.abs(), scheme)  # [rows, G, g]
     wg = wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-8)
     return wg.reshape(w.shape[0], -1)[:, :w.shape[1]].mean(dim=0)
 
@@ -93,127 +94,9 @@ def search_scale(x_mean: Tensor, weights: list[Tensor], scheme: Scheme, error: C
     return ScaleResult(s, ratio, loss, base)
 
 
-def _grouped(t: Tensor, scheme: Scheme) -> Tensor:
-    """[rows, in] -> zero-padded [rows, G, g]."""
-    rows, n = t.shape
-    g, G = scheme.group(n), scheme.n_groups(n)
-    return F.pad(t, (0, G * g - n)).reshape(rows, G, g)
-
-
-class Bounds(NamedTuple):
-    """Per (output row, group) clipping range ``[lo, hi]``, each ``[out, G]``."""
-
-    lo: Tensor
-    hi: Tensor
-
-
-def full_range(wg: Tensor, scheme: Scheme) -> Bounds:
-    """Each group's unclipped range of grouped weights ``wg: [out, G, g]``: min/max (through 0) for an asymmetric
-    grid, +-absmax for a symmetric one."""
-    if scheme.sym or scheme.format == "nf4":
-        hi = wg.abs().amax(dim=-1)
-        return Bounds(-hi, hi)
-    return Bounds(wg.amin(dim=-1).clamp(max=0), wg.amax(dim=-1).clamp(min=0))
-
-
-@torch.inference_mode()
-def search_clip(x: Tensor, w: Tensor, scheme: Scheme, grid: int = 20, max_shrink: float = 0.5,
-                chunk: int = 256) -> Bounds:
-    """Shrink each group's quantization range (min/max for asymmetric, +-absmax for symmetric) by the
-    factor in ``[1 - max_shrink, 1]`` that minimises the group's contribution to the output error on
-    sample inputs ``x: [n, in]``. A group's error over the samples, mean_n (x_g . dq)^2, is dq C_g dq^T with
-    C_g = x_g^T x_g / n, so each candidate costs [out, g] x [g, g] products per group instead of n-row ones."""
-    xg = _grouped(x.float(), scheme).permute(1, 0, 2)  # [G, n, g]
-    gram = torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]  # [G, g, g]
-    return shrink_search(w, scheme, lambda dq: (torch.bmm(dq, gram) * dq).sum(dim=-1).T, grid, max_shrink, chunk)
-
-
-def shrink_search(w: Tensor, scheme: Scheme, error: Callable[[Tensor], Tensor], grid: int, max_shrink: float,
-                  chunk: int) -> Bounds:
-    """Per (row, group), the shrink of the full range whose rounding error ``error(dq: [G, rows, g]) -> [rows, G]``
-    is smallest, ``w``'s rows taken ``chunk`` at a time."""
-    wg_all = _grouped(w.float(), scheme)  # [out, G, g]
-    lo_all, hi_all = full_range(wg_all, scheme)
-    best_lo, best_hi = lo_all.clone(), hi_all.clone()
-    for r0 in range(0, w.shape[0], chunk):  # rows in chunks bound the error tensor
-        rows = slice(r0, r0 + chunk)
-        wg = wg_all[rows]
-        best_err = None
-        for k in range(int(grid * max_shrink) + 1):
-            f = 1 - k / grid
-            lo, hi = lo_all[rows] * f, hi_all[rows] * f
-            dq = fake_quantize_groups(torch.maximum(torch.minimum(wg, hi[..., None]), lo[..., None]), scheme) - wg
-            err = error(dq.permute(1, 0, 2))  # [G, o, g] -> [o, G]
-            if best_err is None:
-                best_err = err
-                continue
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_lo[rows] = torch.where(better, lo, best_lo[rows])
-            best_hi[rows] = torch.where(better, hi, best_hi[rows])
-    return Bounds(best_lo, best_hi)
-
-
-def clip_weight(w: Tensor, bounds: Bounds, scheme: Scheme) -> Tensor:
-    """Clamp each (row, group) of ``w`` to its ``[lo, hi]``."""
-    gi = group_index(w.shape[1], scheme, w.device)
-    lo, hi = (b.index_select(1, gi).to(w.dtype) for b in bounds)
-    return torch.maximum(torch.minimum(w, hi), lo)
 
 
 # -- the adapter: hooks that sample a decoder block's inputs, the smoothing applied in place ----------
-class _Sampler:
-    """Collects, per linear, the mean |x| over all tokens and a fixed random sample of token rows."""
-
-    def __init__(self, inputs: BlockInputs, n_tokens: int, seed: int, hessians: dict[str, gptq.Hessian] | None = None,
-                 weights: dict[str, list[Tensor]] | None = None):
-        gen = torch.Generator().manual_seed(seed)
-        self.weights = weights  # guided GPTQ: each batch's token weights per linear (compress/guided.py)
-        # optional: the GPTQ Hessian of every input, accumulated over all tokens (linears that share an
-        # input share one object, which only the first of them updates)
-        self.hessians = hessians or {}
-        self._owner = {}
-        for name, h in self.hessians.items():
-            self._owner.setdefault(id(h), name)
-        per_batch = max(1, n_tokens // len(inputs.hidden))
-        self.rows = [torch.randperm(h.shape[0] * h.shape[1], generator=gen)[:per_batch] for h in inputs.hidden]
-        self.abs_sum: dict[str, Tensor] = {}
-        self.count: dict[str, int] = {}
-        self.samples: dict[str, list[Tensor]] = {}
-        # whole batches entering the modules that judge a scale (attention needs full sequences)
-        tokens_per_batch = inputs.hidden[0].shape[0] * inputs.hidden[0].shape[1]
-        self.n_batches = max(1, min(len(inputs.hidden), -(-n_tokens // tokens_per_batch)))
-        self.module_inputs: dict[str, list[tuple[Tensor, dict]]] = {}
-
-    def module_hook(self, name: str):
-        def fn(module, args, kwargs):
-            calls = self.module_inputs.setdefault(name, [])
-            if len(calls) < self.n_batches:
-                kwargs = dict(kwargs)
-                hidden = args[0] if args else kwargs.pop("hidden_states")
-                calls.append((hidden.float(), {k: v for k, v in kwargs.items()
-                                               if k not in ("past_key_values", "past_key_value", "use_cache")}))
-        return fn
-
-    def hook(self, name: str):
-        def fn(module, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()
-            h = self.hessians.get(name)
-            calls = self.samples.setdefault(name, [])
-            if h is not None and self._owner[id(h)] == name:
-                h.add(x, None if self.weights is None else self.weights[name][len(calls)])
-            self.abs_sum[name] = self.abs_sum.get(name, 0) + x.abs().sum(0)
-            self.count[name] = self.count.get(name, 0) + x.shape[0]
-            calls.append(x[self.rows[len(calls)]])
-        return fn
-
-    def x_mean(self, name: str) -> Tensor:
-        return self.abs_sum[name] / self.count[name]
-
-    def x(self, name: str) -> Tensor:
-        return torch.cat(self.samples[name])
-
-
 class Rounded(NamedTuple):
     weight: QuantizedWeight
     loss: float | None  # GPTQ's, when it rounded
@@ -228,34 +111,34 @@ def round_weight(w: Tensor, x: Tensor, H: Tensor | None, cfg: QuantizeConfig, cl
     kept = 1.0
     if clip:
         bounds = search_clip(x[:opts.clip_tokens], w, scheme, opts.clip_grid)
-        full = full_range(_grouped(w.float(), scheme), scheme)
+        full = full_range(grouped(w.float(), scheme), scheme)
         kept = ((bounds.hi - bounds.lo) / (full.hi - full.lo).clamp(min=1e-12)).mean().item()
         w = clip_weight(w, bounds, scheme)
     if H is None:
         energy = x.pow(2).mean(0) if cfg.weighted_range else None
-        return Rounded(rtn.quantize_weight(w, scheme, energy), None, kept)
-    res = gptq.quantize_weight(w, H, scheme, cfg.gptq, cfg.weighted_range)
+        return Rounded(quantize_weight(w, scheme, energy), None, kept)
+    res = gptq_solver.quantize_weight(w, H, scheme, cfg.gptq, cfg.weighted_range)
     return Rounded(res.weight, res.loss, kept)
 
 
-def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap, guided: bool) -> dict[str, gptq.Hessian]:
+def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap, guided: bool) -> dict[str, gptq_solver.Hessian]:
     """One GPTQ Hessian per distinct input: the linears a norm smooths together read the same tensor (unless guided:
     then each linear weights the tokens by its own outputs' gradients)."""
-    out: dict[str, gptq.Hessian] = {}
+    out: dict[str, gptq_solver.Hessian] = {}
     for sm in bmap.smooths:
         if not guided and all(n in linears for n in sm.linears):
-            h = gptq.Hessian.zeros(linears[sm.linears[0]].in_features)
+            h = gptq_solver.Hessian.zeros(linears[sm.linears[0]].in_features)
             out.update({n: h for n in sm.linears})
     for name, lin in linears.items():
         if name not in out:
-            out[name] = gptq.Hessian.zeros(lin.in_features)
+            out[name] = gptq_solver.Hessian.zeros(lin.in_features)
     return out
 
 
 def _observe(block: nn.Module, linears: dict[str, nn.Linear], bmap: BlockMap, inputs: BlockInputs, n_tokens: int,
-             seed: int, hessians: dict[str, gptq.Hessian] | None, weights: dict[str, list[Tensor]] | None) -> _Sampler:
+             seed: int, hessians: dict[str, gptq_solver.Hessian] | None, weights: dict[str, list[Tensor]] | None) -> Sampler:
     """Run the block once with hooks on its linears (and the modules that judge a scale)."""
-    sampler = _Sampler(inputs, n_tokens, seed, hessians, weights)
+    sampler = Sampler(inputs, n_tokens, seed, hessians, weights)
     handles = [m.register_forward_pre_hook(sampler.hook(n)) for n, m in linears.items()]
     handles += [block.get_submodule(sm.inspect).register_forward_pre_hook(sampler.module_hook(sm.inspect),
                                                                          with_kwargs=True)
@@ -269,7 +152,7 @@ def _observe(block: nn.Module, linears: dict[str, nn.Linear], bmap: BlockMap, in
 
 
 @torch.inference_mode()
-def _group_error(block: nn.Module, sm: Smooth, sampler: _Sampler, weights: list[Tensor]
+def _group_error(block: nn.Module, sm: Smooth, sampler: Sampler, weights: list[Tensor]
                  ) -> Callable[[list[Tensor]], float]:
     """The output error a smoothing scale is judged by, as a function of the group's weights: the linears' own
     concatenated outputs on the sampled rows, or the ``inspect`` module's (e.g. attention) on whole sampled batches."""
@@ -300,7 +183,7 @@ def _scale_prev(prev: nn.Module, s: Tensor, norm_offset: float) -> None:
 
 @dataclass
 class _Judge:
-    """The held-out side of one block's AWQ (compress/fallback.py): each linear's Hessian of the held-out windows
+    """The held-out side of one block's AWQ (compress/methods/common/fallback.py): each linear's Hessian of the held-out windows
     (observed on the fp block), the weights already rounded while judging a group (reused at the end unless a later
     group rescales that linear's rows), the linears judged with a group, and those that fell back to plain RTN."""
 
@@ -321,8 +204,8 @@ class _Snapshot:
     weights: list[Tensor]  # the group's linears' weights before the fold (copies)
 
     @classmethod
-    def take(cls, prev: nn.Module, mods: list[nn.Module], names: tuple[str, ...], sampler: _Sampler,
-             hessians: dict[str, gptq.Hessian] | None) -> "_Snapshot":
+    def take(cls, prev: nn.Module, mods: list[nn.Module], names: tuple[str, ...], sampler: Sampler,
+             hessians: dict[str, gptq_solver.Hessian] | None) -> "_Snapshot":
         live = [prev.weight.data] + ([prev.bias.data] if getattr(prev, "bias", None) is not None else [])
         if hessians is not None:
             live += list({id(hessians[n]): hessians[n].H for n in names}.values())
@@ -330,14 +213,14 @@ class _Snapshot:
         params = [(t, t.clone()) for t in live] + [(m.weight.data, w) for m, w in zip(mods, weights)]
         return cls(params, {n: sampler.samples[n] for n in names}, weights)
 
-    def restore(self, sampler: _Sampler) -> None:
+    def restore(self, sampler: Sampler) -> None:
         for t, copy in self.params:
             t.copy_(copy)
         sampler.samples.update(self.samples)
 
 
-def _smooth(block: nn.Module, sm: Smooth, linears: dict[str, nn.Linear], sampler: _Sampler, cfg: QuantizeConfig,
-            bmap: BlockMap, hessians: dict[str, gptq.Hessian] | None, judge: _Judge | None = None) -> dict | None:
+def _smooth(block: nn.Module, sm: Smooth, linears: dict[str, nn.Linear], sampler: Sampler, cfg: QuantizeConfig,
+            bmap: BlockMap, hessians: dict[str, gptq_solver.Hessian] | None, judge: _Judge | None = None) -> dict | None:
     """Search one group's scale and fold it in (the feeding op / s, the linears' columns * s, their sampled
     inputs and Hessian likewise); None where the group does not apply to this block. With a ``judge``, the group's
     linears are clipped and rounded at once and the fold undone where plain RTN of the unscaled weights has the
@@ -366,15 +249,15 @@ def _smooth(block: nn.Module, sm: Smooth, linears: dict[str, nn.Linear], sampler
     return record
 
 
-def _judge_group(sm: Smooth, mods: list[nn.Module], s: Tensor, sampler: _Sampler, cfg: QuantizeConfig, bmap: BlockMap,
-                 hessians: dict[str, gptq.Hessian] | None, judge: _Judge, snapshot: _Snapshot) -> dict:
+def _judge_group(sm: Smooth, mods: list[nn.Module], s: Tensor, sampler: Sampler, cfg: QuantizeConfig, bmap: BlockMap,
+                 hessians: dict[str, gptq_solver.Hessian] | None, judge: _Judge, snapshot: _Snapshot) -> dict:
     """The group's scaled, clipped, rounded weights (unscaled: ``/ s``) against RTN of its original weights on the
     held-out windows; falls back (undoing the fold) where RTN's summed error is smaller."""
     choices = []
     for n, m, w0 in zip(sm.linears, mods, snapshot.weights):
         judge.rounded[n] = round_weight(m.weight.data, sampler.x(n), None if hessians is None else hessians[n].H, cfg,
                                         cfg.awq.clip and n not in bmap.no_clip)
-        plain = rtn.quantize_weight(w0, cfg.scheme)
+        plain = quantize_weight(w0, cfg.scheme)
         choices.append(fallback.compare(w0, judge.rounded[n].weight.dequantize() / s, plain.dequantize(),
                                         judge.held[n]))
     choice = fallback.combine(choices)
@@ -399,7 +282,7 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
     inter_all = intermediate(x, w_gu, act)  # [n, I]
     h_gu = h_dn = None
     if opts.rounding == "gptq":  # GPTQ's Hessians over every routed token, as the dense path's
-        h_gu, h_dn = gptq.Hessian.zeros(x.shape[1]), gptq.Hessian.zeros(inter_all.shape[1])
+        h_gu, h_dn = gptq_solver.Hessian.zeros(x.shape[1]), gptq_solver.Hessian.zeros(inter_all.shape[1])
         h_gu.add(x)
         h_dn.add(inter_all)
     rows = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[:opts.search_tokens]
@@ -421,20 +304,20 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
     return ExpertResult(gu, dn, losses)
 
 
-def _final_weight(name: str, lin: nn.Linear, sampler: _Sampler, hessians: dict[str, gptq.Hessian] | None,
+def _final_weight(name: str, lin: nn.Linear, sampler: Sampler, hessians: dict[str, gptq_solver.Hessian] | None,
                   cfg: QuantizeConfig, bmap: BlockMap, judge: _Judge | None, records: list[dict], i: int
                   ) -> Rounded:
     """One linear's last step: plain RTN where its group fell back, the weight rounded while judging its group, or
     clipped and rounded now (a linear in no group judged alone against RTN, a record appended to ``records``)."""
     if judge is not None and name in judge.plain:
-        return Rounded(rtn.quantize_weight(lin.weight.data, cfg.scheme), None)
+        return Rounded(quantize_weight(lin.weight.data, cfg.scheme), None)
     if judge is not None and name in judge.rounded:
         return judge.rounded.pop(name)
     res = round_weight(lin.weight.data, sampler.x(name), None if hessians is None else hessians[name].H, cfg,
                        cfg.awq.clip and name not in bmap.no_clip)
     if judge is None or name in judge.grouped:
         return res
-    plain = rtn.quantize_weight(lin.weight.data, cfg.scheme)
+    plain = quantize_weight(lin.weight.data, cfg.scheme)
     choice = fallback.compare(lin.weight.data, res.weight.dequantize(), plain.dequantize(), judge.held[name])
     record = {"layer": i, "name": name, **choice.record(), "clip": res.clip, "names": [f"{judge.prefix}{name}"]}
     records.append(record)
@@ -463,7 +346,7 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
         fit, held = inputs.split(run.holdout)
-        judge = None if held is None else _Judge({n: h.H for n, h in gptq.observe(block, linears, held).items()},
+        judge = None if held is None else _Judge({n: h.H for n, h in gptq_solver.observe(block, linears, held).items()},
                                                  f"{prefix}.{i}.")
         hessians = _shared_hessians(linears, bmap, tw is not None) if cfg.awq.rounding == "gptq" else None
         sampler = _observe(block, linears, bmap, fit, cfg.awq.search_tokens, cfg.seed + i, hessians,

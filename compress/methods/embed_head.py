@@ -4,7 +4,7 @@ These tables are [vocab, hidden]: 30-60% of a small model with a 128k-262k vocab
 row-local (groups run along ``hidden``), so a table is quantized slab by slab and no fp copy of it, nor a
 full-size temporary, is ever held; the streamed and in-memory paths cut different slabs and write the same
 codes. On a tied model the embedding and the head are one tensor: it is quantized once, under the embedding's
-name, and the head reads it (:meth:`compress.qlinear.QuantEmbedding.as_linear`).
+name, and the head reads it (:meth:`compress.format.qlinear.QuantEmbedding.as_linear`).
 """
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def quantize_table(slabs: Iterable[Tensor], rows: int, cols: int, scheme: Scheme
 
 
 def table_of(qw: QuantizedWeight, embed_scale: float | None = None) -> QuantEmbedding:
-    """The packed table of codes already rounded (a calibrated head, compress/head_gptq.py): natural column order."""
+    """The packed table of codes already rounded (a calibrated head, compress/methods/head_gptq.py): natural column order."""
     assert qw.g_idx is None, "a table's groups are consecutive columns"
     rows, cols = qw.q.shape
     table = QuantEmbedding(rows, cols, qw.scheme, embed_scale=embed_scale)
@@ -116,7 +116,7 @@ def _scale_of(emb: nn.Module) -> float | None:
 def quantize_outer(model: nn.Module, plan: OuterPlan, head_codes: QuantizedWeight | None = None) -> None:
     """In place: the embedding becomes a :class:`QuantEmbedding` and the head a QuantLinear as ``plan`` says (a
     tied head reads the embedding's buffers); the head takes ``head_codes`` when given (its calibrated rounding,
-    compress/head_gptq.py; on a tied model the one table's), else RTN."""
+    compress/methods/head_gptq.py; on a tied model the one table's), else RTN."""
     if plan.embed is not None:
         emb = model.get_input_embeddings()
         if plan.tied and head_codes is not None:

@@ -19,16 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 def direct_search(x, w, scheme, grid, max_shrink=0.5, chunk=256):
     """The same search with each candidate's error taken over the sample rows themselves: [G, n, rows] per step.
     The bench's full-range bounds are the asymmetric ones (its scheme), as the search before the Gram form."""
-    from compress.methods.awq import _grouped, shrink_search
+    from compress.methods.common.clip import grouped, shrink_search
 
-    xg = _grouped(x.float(), scheme).permute(1, 0, 2)  # [G, n, g]
+    xg = grouped(x.float(), scheme).permute(1, 0, 2)  # [G, n, g]
     return shrink_search(w, scheme, lambda dq: torch.bmm(xg, dq.transpose(1, 2)).pow_(2).mean(dim=1).T, grid,
                          max_shrink, chunk)
 
 
 def main() -> None:
     from compress.format.quant import Scheme
-    from compress.methods.awq import search_clip
+    from compress.methods.common.clip import search_clip
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)

@@ -1,4 +1,4 @@
-"""AWQ's scale search for a linear group (compress/awq.py ``search_scale`` with ``linear_error``: through the inputs'
+"""AWQ's scale search for a linear group (compress/methods/awq.py ``search_scale`` with ``linear_error``: through the inputs'
 Gram matrix where the input is narrower than the sample) against the same search scored on the group's outputs
 ``x @ w.T``, at awq4's settings (4,096 sampled rows, 20 grid points, group 64 asymmetric) and the widths of a 0.5B
 model's MLP: time each, and check they choose the same ratio.

@@ -1,0 +1,63 @@
+"""What a calibrated method observes of a decoder block's linears while the block runs on calibration batches: hooks
+that keep each input's mean magnitude, a fixed random sample of its token rows, optionally its GPTQ Hessian, and the
+whole batches entering a module (AWQ judges its attention scales on them)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from compress.calibrate import BlockInputs
+from compress.methods.common.hessian import Hessian
+
+
+class Sampler:
+    """Collects, per linear, the mean |x| over all tokens and a fixed random sample of token rows (and, given them,
+    each distinct input's GPTQ Hessian and the whole batches entering the modules that judge a scale)."""
+
+    def __init__(self, inputs: BlockInputs, n_tokens: int, seed: int, hessians: dict[str, Hessian] | None = None,
+                 weights: dict[str, list[Tensor]] | None = None):
+        gen = torch.Generator().manual_seed(seed)
+        self.weights = weights  # guided GPTQ: each batch's token weights per linear (compress/methods/common/guided.py)
+        # optional: the GPTQ Hessian of every input, accumulated over all tokens (linears that share an
+        # input share one object, which only the first of them updates)
+        self.hessians = hessians or {}
+        self._owner = {}
+        for name, h in self.hessians.items():
+            self._owner.setdefault(id(h), name)
+        per_batch = max(1, n_tokens // len(inputs.hidden))
+        self.rows = [torch.randperm(h.shape[0] * h.shape[1], generator=gen)[:per_batch] for h in inputs.hidden]
+        self.abs_sum: dict[str, Tensor] = {}
+        self.count: dict[str, int] = {}
+        self.samples: dict[str, list[Tensor]] = {}
+        # whole batches entering the modules that judge a scale (attention needs full sequences)
+        tokens_per_batch = inputs.hidden[0].shape[0] * inputs.hidden[0].shape[1]
+        self.n_batches = max(1, min(len(inputs.hidden), -(-n_tokens // tokens_per_batch)))
+        self.module_inputs: dict[str, list[tuple[Tensor, dict]]] = {}
+
+    def module_hook(self, name: str):
+        def fn(module, args, kwargs):
+            calls = self.module_inputs.setdefault(name, [])
+            if len(calls) < self.n_batches:
+                kwargs = dict(kwargs)
+                hidden = args[0] if args else kwargs.pop("hidden_states")
+                calls.append((hidden.float(), {k: v for k, v in kwargs.items()
+                                               if k not in ("past_key_values", "past_key_value", "use_cache")}))
+        return fn
+
+    def hook(self, name: str):
+        def fn(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            h = self.hessians.get(name)
+            calls = self.samples.setdefault(name, [])
+            if h is not None and self._owner[id(h)] == name:
+                h.add(x, None if self.weights is None else self.weights[name][len(calls)])
+            self.abs_sum[name] = self.abs_sum.get(name, 0) + x.abs().sum(0)
+            self.count[name] = self.count.get(name, 0) + x.shape[0]
+            calls.append(x[self.rows[len(calls)]])
+        return fn
+
+    def x_mean(self, name: str) -> Tensor:
+        return self.abs_sum[name] / self.count[name]
+
+    def x(self, name: str) -> Tensor:
+        return torch.cat(self.samples[name])
