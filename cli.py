@@ -11,6 +11,8 @@ import sys
 import click
 
 from compress.exporters.dispatch import FORMATS as EXPORT_FORMATS  # the one list of export formats (loads no exporter)
+from runtime.bench import cli as bench_cli
+from runtime.serve import cli as serve_cli
 
 
 class StepFault(Exception):
@@ -340,11 +342,8 @@ def export_cmd(model_spec, fmt, out, overwrite, dtype, requantize, embed_type, o
     click.echo(f"wrote {fmt} export to {path}")
 
 
-# serve, bench and generate (which then runs through the serving engine)
-KV_CACHE_DTYPE = click.option(
-    "--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "int8", "fp8_e4m3"]),
-    help="KV cache storage: auto (the compute dtype), or 8-bit codes with an fp16 scale per token and KV head, "
-    "about twice the tokens in the same memory (fp8_e4m3 where torch has float8_e4m3fn).")
+# generate, serve and bench run through the serving engine: serve and bench keep their options beside it
+KV_CACHE_DTYPE = serve_cli.KV_CACHE_DTYPE
 
 
 @main.command("generate")
@@ -374,99 +373,8 @@ def generate_cmd(model_spec, prompt, max_new_tokens, dtype, kv_cache_dtype):
     click.echo(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 
 
-# --- serve / bench ------------------------------------------------------------------------------
-@main.command()
-@click.argument("model_spec", metavar="MODEL")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; loopback unless you mean it.")
-@click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--draft", default=None, help="Speculative decoding: 'ngram' or a draft model (name or folder).")
-@click.option("--api-key", default=None, envvar="COMPRESS_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 "
-              "(or set COMPRESS_API_KEY).")
-@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Requests decoded together.")
-@click.option("--max-queue", type=int, default=256, show_default=True, help="Requests waiting beyond the batch before 429.")
-@click.option("--max-model-len", type=int, default=None, help="Context limit (default: the model's).")
-@click.option("--dtype", default="auto", show_default=True, help="Compute dtype: auto (bf16 for quantized checkpoints "
-              "where this CPU has native bf16, else the checkpoint's own), float32, bfloat16, float16.")
-@click.option("--lm-head", default="auto", show_default=True, type=click.Choice(["auto", "fp", "int8", "int4"]),
-              help="CPU LM head: auto (int8 for quantized checkpoints in bf16), fp, or rounded at load to int8/int4.")
-@KV_CACHE_DTYPE
-@click.option("--model-impl", default="auto", show_default=True, type=click.Choice(["auto", "native", "transformers"]),
-              help="auto: the runtime's native model where the family has one (fast), else transformers' own modeling "
-              "code on the engine's paged KV cache (slower); or force one.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
-@click.option("--served-model-name", "served_model_names", multiple=True,
-              help="A name requests use for the model (repeat for aliases); /v1/models lists them [default: MODEL].")
-@click.option("--chat-template", default=None, help="A Jinja chat template file, or the template itself.")
-@click.option("--kv-cache-memory", default=None, help="Bytes for the paged KV cache, e.g. 2GiB [default: 1GiB]; on "
-              "CPU an upper bound, committed as the cache fills.")
-@click.option("--quant-kernel", default=None, type=click.Choice(["auto", "hybrid", "packed", "dequant"]),
-              help="Quantized linears: auto (packed kernels, no weight copies) [default], hybrid (plus a persistent "
-              "bf16 copy of each weight for prompts: 2 bytes a weight more), packed, dequant.")
-@click.option("--block-size", type=int, default=None, help="Tokens per KV block [default: 16].")
-@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
-              help="Share the KV blocks of common prompt prefixes [default: on].")
-@click.option("--max-num-batched-tokens", type=int, default=None, help="Tokens per forward; longer prompts are "
-              "prefilled in chunks [default: 2048].")
-@click.option("--num-speculative-tokens", type=int, default=None, help="Drafted tokens per step with --draft [default: 4].")
-@click.option("--seed", type=int, default=None, help="Seed of the sampling of requests without their own seed.")
-@click.option("--tool-call-parser", default="hermes", show_default=True, type=click.Choice(["hermes", "llama3_json"]),
-              help="How the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5/3, Hermes) or llama3_json.")
-def serve(model_spec, host, port, api_key, max_queue, served_model_names, chat_template, kv_cache_memory,
-          tool_call_parser, **engine):
-    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
-    from compress.format.host import parse_size
-    from runtime.serve.server import serve as run_server
-
-    if kv_cache_memory is not None:
-        engine["kv_cache_memory"] = parse_size(kv_cache_memory)
-    run_server(model_spec, host=host, port=port, api_key=api_key, max_queue=max_queue,
-               served_model_names=served_model_names, chat_template=chat_template, tool_call_parser=tool_call_parser,
-               **{k: v for k, v in engine.items() if v is not None})
-
-
-def _levels(value: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"--concurrency {value!r} must be comma-separated integers, e.g. 1,8,32") from None
-
-
-@main.command()
-@click.argument("model_spec", metavar="MODEL")
-@click.option("--baseline", default=None, help="fp model for the transformers and engine-fp32 rows (default: MODEL).")
-@click.option("--prompt-len", type=int, default=128, show_default=True, help="Longest prompt, in tokens.")
-@click.option("--output-len", type=int, default=128, show_default=True, help="Longest output, in tokens.")
-@click.option("--concurrency", default="1,8,32", show_default=True, help="Comma-separated levels of concurrent requests.")
-@click.option("--requests", "requests_per_level", type=int, default=None, help="Requests per run (default max(4, 2 x level)).")
-@click.option("--jitter", type=float, default=0.5, show_default=True, help="Lengths drawn from [len * (1 - jitter), len].")
-@click.option("--repeats", type=int, default=1, show_default=True, help="Runs per row; rows report the median run.")
-@click.option("--no-hf", is_flag=True, help="Skip the transformers generate rows.")
-@click.option("--no-spec", is_flag=True, help="Skip the speculative decoding rows.")
-@click.option("--dtype", default="auto", show_default=True, help="Engine dtype for MODEL (auto: bf16 with the packed "
-              "kernels for quantized checkpoints where the CPU has bf16); the baseline rows stay float32.")
-@click.option("--lm-head", default="auto", show_default=True, type=click.Choice(["auto", "fp", "int8", "int4"]),
-              help="The engine's LM head on CPU (see compress serve).")
-@KV_CACHE_DTYPE
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the results here.")
-def bench(model_spec, baseline, prompt_len, output_len, concurrency, requests_per_level, jitter, repeats, no_hf, no_spec,
-          dtype, lm_head, kv_cache_dtype, json_path):
-    """Throughput and latency of MODEL: transformers vs this engine, static vs continuous batching, speculative."""
-    import json
-    from pathlib import Path
-
-    from runtime.bench.scenarios import BenchConfig, format_table, run_bench
-
-    cfg = BenchConfig(model=model_spec, baseline=baseline, prompt_len=prompt_len, output_len=output_len,
-                      concurrency=_levels(concurrency), requests_per_level=requests_per_level, jitter=jitter,
-                      repeats=repeats, hf=not no_hf, speculative=not no_spec, dtype=dtype, lm_head=lm_head,
-                      kv_cache_dtype=kv_cache_dtype)
-    result = run_bench(cfg, progress=lambda msg: click.echo(f"  running {msg}", err=True))
-    click.echo(format_table(result["rows"]))
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2, default=str))
-        click.echo(f"wrote {json_path}")
-
-
+main.command()(serve_cli.with_options(serve_cli.SERVE_OPTIONS, serve_cli.serve))
+main.command()(serve_cli.with_options(bench_cli.BENCH_OPTIONS, bench_cli.bench))
 
 if __name__ == "__main__":
     main()
