@@ -146,7 +146,7 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
     bar = tqdm(total=None, desc="blocks", unit="block")
 
     def progress(done: int, total: int, unit: str = "block") -> None:  # restarts per pass (compress/calibrate.py)
-        if done == 1 or bar.unit != unit:
+        if done == 0 or bar.unit != unit or (done == 1 and bar.n != 0):
             bar.reset(total=total)
             bar.set_description(f"{unit}s")
             bar.unit = unit

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 
 class Progress(Protocol):
     """(done, total) of a pass over ``unit``s: blocks (calibration, KV fitting), or windows (QAT sampling its own
-    training text, compress/methods/common/selfdata.py). A new pass begins at done == 1 or with another unit (sampling
-    reports once per batch of windows, so its first call may be done > 1)."""
+    training text, compress/methods/common/selfdata.py). A pass announces itself with done == 0 before its first unit
+    (so a bar's clock starts with the pass, not after its first unit); one that does not begins at done == 1 or with
+    another unit (sampling reports once per batch of windows, so its first call may be done > 1)."""
 
     def __call__(self, done: int, total: int, unit: str = "block") -> None: ...
 
@@ -256,6 +257,8 @@ def run_blocks(model: nn.Module, per_block: PerBlock, progress: Progress | None 
     """Call ``per_block(i, block, None)`` for each decoder block in order: no activations (data-free methods)."""
     layers = decoder_layers(model)
     per_block = _tagged(per_block, len(layers))
+    if progress:
+        progress(0, len(layers))
     for i, block in enumerate(layers):
         store.load(i, block)
         per_block(i, block, None)
@@ -286,6 +289,8 @@ def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
         inputs = store.capture(model, batches)
     inputs.autocast = autocast
     check_finite(inputs.hidden, "entering block 0")
+    if progress:
+        progress(0, len(layers))
     for i, block in enumerate(layers):
         store.load(i, block)
         outputs = per_block(i, block, inputs)

@@ -67,6 +67,8 @@ def quantize_head(w: Tensor, hessians: HeadHessians, scheme: Scheme, opts: GPTQO
 def _accumulate(states: Iterable[Tensor], n: int, held: int, progress: Progress | None) -> HeadHessians:
     """The Hessians of ``n`` batches of head inputs ``[batch, seqlen, hidden]``, the last ``held`` apart."""
     fit = out = None
+    if progress:
+        progress(0, n, "head batch")
     for i, x in enumerate(states):
         if fit is None:
             fit, out = Hessian.zeros(x.shape[-1]), Hessian.zeros(x.shape[-1]) if held else None

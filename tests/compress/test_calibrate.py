@@ -34,3 +34,15 @@ def test_capture_runs_no_block_and_restores_their_forward():
     assert len(inputs.layer_kwargs) == len(layers) and inputs.kwargs is inputs.layer_kwargs[0]
     for h in handles:
         h.remove()
+
+
+def test_a_pass_announces_itself_before_its_first_block():
+    """progress(0, n) before block 0 (after the capture), so a bar's clock and rate cover every block."""
+    from compress.calibrate import run_blocks, run_sequential
+
+    model = tiny_model("llama").eval()
+    n = len(decoder_layers(model))
+    for run, args in ((run_sequential, ([torch.randint(3, 200, (1, 8))],)), (run_blocks, ())):
+        seen = []
+        run(model, *args, lambda i, block, inputs: None, lambda *a: seen.append(a))
+        assert seen == [(i, n) for i in range(n + 1)]

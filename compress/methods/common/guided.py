@@ -79,6 +79,8 @@ def gradient_pass(model: nn.Module, batches: list[Tensor], linears: dict[Key, nn
     t0 = time.perf_counter()
     try:
         with recomputed(decoder_layers(model)):
+            if progress:
+                progress(0, len(rows), "sequence")
             for done, ids in enumerate(rows, 1):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     logits = model(input_ids=ids, use_cache=False).logits

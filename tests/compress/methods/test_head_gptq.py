@@ -29,7 +29,7 @@ def test_the_hessian_is_of_what_the_head_reads(family):
     hook.remove()
     seen = []
     hs = head_hessians(model, batches, held=1, progress=lambda *a: seen.append(a))
-    assert seen == [(i, 3, "head batch") for i in (1, 2, 3)]
+    assert seen == [(i, 3, "head batch") for i in (0, 1, 2, 3)]  # announced, then after each batch
     whole = head_hessians(model, batches)
     torch.testing.assert_close(whole.fit, want.H, rtol=1e-5, atol=1e-6)
     assert whole.held is None and hs.held is not None
