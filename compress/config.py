@@ -56,6 +56,9 @@ class GPTQOptions:
     # False: each block's Hessians on the fp model's activations (the fp block's outputs go on to the next block, and
     # no quantized block is run: one forward per block, not two), compress/methods/gptq.py
     sequential: bool = True
+    # with the RTN fallback's held-out windows: a layer that keeps GPTQ is solved again on every window, the held-out
+    # ones too (they chose the method; the weight then uses all the calibration text): one more solve per layer
+    refit: bool = False
 
     def __post_init__(self):
         if not 0 < self.damp < 1:
@@ -77,15 +80,33 @@ class AWQOptions:
     """AWQ's scale and clipping searches (method awq, and qat with ``init: awq``)."""
 
     grid: int = 20
+    # the scale search visits every grid point (0), or every coarse-th then the best's neighbours at halving steps
+    # (compress/methods/awq.py grid_order: 9 of 20 points at 4; the same choice wherever the loss is unimodal)
+    coarse: int = 0
     duo_scaling: bool = True  # search x_mean^r / w_mean^(1-r) (AutoAWQ, llm-compressor) instead of x_mean^r
     clip: bool = True
     search_tokens: int = 4096
     clip_tokens: int = 512  # token rows of each linear's input that judge its clipping range
     clip_grid: int = 20  # clipping shrink factors are tried in steps of 1 / clip_grid, down to 0.5
     rounding: str = "rtn"  # round the smoothed, clipped weights by rtn (AutoAWQ) or gptq (the gptq options)
+    # the fp block's observe pass (input magnitudes, sampled rows, attention batches) over the first windows holding
+    # this many tokens, not every fitting window (0); gptq rounding, whose Hessians need every token, observes all
+    observe_tokens: int = 0
+    # the scale search's and the held-out judging's products (module forwards, wide outputs, Hessians): float32 or bfloat16
+    search_dtype: str = "float32"
 
     def __post_init__(self):
         _at_least_one(self, ("grid", "search_tokens", "clip_tokens", "clip_grid"))
+        if not 0 <= self.coarse < self.grid:
+            raise ValueError(f"coarse={self.coarse} must be in [0, grid={self.grid}): 0 visits every grid point, "
+                             "4 every fourth, then refines")
+        if self.search_dtype not in TRAIN_DTYPES:
+            raise ValueError(f"search_dtype={self.search_dtype!r} is unknown; use one of {TRAIN_DTYPES}")
+        if self.observe_tokens < 0:
+            raise ValueError(f"observe_tokens={self.observe_tokens} must be >= 0 (0: every fitting window)")
+        if 0 < self.observe_tokens < self.search_tokens:
+            raise ValueError(f"observe_tokens={self.observe_tokens} is fewer than the search_tokens="
+                             f"{self.search_tokens} the scale search samples from them; raise it, or 0 for all")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding={self.rounding!r} is unknown; use one of {ROUNDINGS}")
 

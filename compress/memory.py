@@ -78,7 +78,7 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
     if cfg.gptq_rounding:
         # one block's Hessians (one per linear: shared ones counted as many), then GPTQ's working copy of the widest
         # and the next factor made from it (compress/methods/gptq.py)
-        statistics = sum(m.in_features ** 2 for m in linears) * 4 + 2 * widest ** 2 * 4
+        statistics = sum(m.in_features ** 2 for m in linears) * 4 + (2 + cfg.gptq.refit) * widest ** 2 * 4
         if cfg.gptq.guided:  # the gradient pass's token weights: one float per token and linear, kept to the end
             statistics += len(linears) * len(layers) * cfg.nsamples * cfg.seqlen * 4
         # a batch's intermediates at the MLP's width, where they outgrow a third set of hidden states

@@ -40,15 +40,22 @@ def _natural(lin: nn.Linear, cfg: QuantizeConfig) -> Tensor:
     return (torch.arange(lin.in_features) // cfg.scheme.group(lin.in_features)).to(torch.int32)
 
 
+def pooled(H: Tensor, n: int, held: Hessian, share: float = 1.0) -> Tensor:
+    """The Hessian of the fit windows (``H``, the mean over ``n`` tokens) and of the held-out ones together, each
+    held-out token counted ``share`` times (guided GPTQ's weight for a token without gradients)."""
+    return (H * n + held.H * (share * held.n)) / (n + held.n)
+
+
 def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], hessians: dict[str, Hessian],
                       cfg: QuantizeConfig, run: Run, held: dict[str, Hessian] | None = None, prefix: str = "") -> None:
     """GPTQ of each of a block's linears against its Hessian, swapped for its packed weight; given the Hessians of
     held-out windows (``held``), RTN's weight where its output error there is smaller (compress/methods/common/fallback.py)."""
+    keep, refit = run.latents is not None, held is not None and cfg.gptq.refit
     for name, lin in linears.items():
         h = hessians.pop(name)
         shared = any(other is h for other in hessians.values())  # q/k/v: the last of them takes it
-        res = quantize_weight(lin.weight.data, h.H if shared else h.release(), cfg.scheme, cfg.gptq, cfg.weighted_range,
-                              keep_latent=run.latents is not None)
+        res = quantize_weight(lin.weight.data, h.H if shared or refit else h.release(), cfg.scheme, cfg.gptq,
+                              cfg.weighted_range, keep_latent=keep)
         record, weight = {"layer": i, "name": name, "loss": res.loss}, res.weight
         if held is not None:
             plain = quant.quantize_weight(lin.weight.data, cfg.scheme)
@@ -58,6 +65,11 @@ def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], h
                      record["rtn_heldout_error"], "rtn" if choice.rtn else "gptq")
             if choice.rtn:  # under act-order the checkpoint's linears all carry a g_idx: RTN's is the natural one
                 weight = plain if res.weight.g_idx is None else dataclasses.replace(plain, g_idx=_natural(lin, cfg))
+            elif refit:  # held-out tokens count as tokens without gradients do in guided GPTQ's Hessians
+                share = 1 - cfg.gptq.guided_mix if cfg.gptq.guided else 1.0
+                res = quantize_weight(lin.weight.data, pooled(h.H if shared else h.release(), h.n, held[name], share),
+                                      cfg.scheme, cfg.gptq, cfg.weighted_range, keep_latent=keep)
+                weight, record["loss"] = res.weight, res.loss
         run.report.layers.append(record)
         if run.latents is not None:
             run.latents[lin] = res.latent

@@ -176,3 +176,28 @@ def test_the_checkpoint_and_the_summary_carry_the_choices(tmp_path, tiny_dir, ca
     assert set(qc["fallback"]["layers"]) <= set(qc["modules"])
     line = next(x for x in res.lines() if x.startswith("fallback:"))
     assert line.startswith(f"fallback: {qc['fallback']['rtn']} of 14 layers kept RTN")
+
+
+def test_refit_solves_the_kept_layers_again_on_every_window():
+    """``refit``: the held-out windows choose GPTQ, then its weight is solved on all windows (the pooled Hessian):
+    what GPTQ without a fallback computes, while the choices stay recorded (not under act-order, whose column order
+    a last-bit difference between the two Hessians may change)."""
+    model, batches = _model(misled=False)
+    cfg = QuantizeConfig.from_flat(**CFG, method="gptq")
+    refit, whole = copy.deepcopy(model), copy.deepcopy(model)
+    report = quantize_model(refit, cfg.replace(refit=True), batches)
+    quantize_model(whole, cfg.replace(fallback=False), batches)
+    assert report.notes["fallback"]["judged"] == 7 and report.notes["fallback"]["rtn"] == 0
+    for (name, a), b in zip(refit.named_modules(), whole.modules()):
+        if hasattr(a, "g_idx"):
+            torch.testing.assert_close(a.dequantized_weight(), b.dequantized_weight(), rtol=0, atol=1e-6, msg=name)
+
+
+def test_pooled_hessian_is_the_mean_over_every_token():
+    g = torch.Generator().manual_seed(0)
+    x_fit, x_held = torch.randn(48, 8, generator=g), torch.randn(16, 8, generator=g)
+    fit, held, whole = (gptq_solver.Hessian.zeros(8) for _ in range(3))
+    fit.add(x_fit), held.add(x_held), whole.add(torch.cat([x_fit, x_held]))
+    from compress.methods.gptq import pooled
+    torch.testing.assert_close(pooled(fit.H, fit.n, held), whole.H)
+    torch.testing.assert_close(pooled(fit.H, fit.n, held, 0.5), (48 * fit.H + 8 * held.H) / 64)
