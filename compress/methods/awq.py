@@ -51,11 +51,11 @@ def output_error(forward: Callable[[list[Tensor]], Tensor], reference: Tensor) -
     return lambda ws: F.mse_loss(forward(ws).float(), reference.float()).item()
 
 
-def linear_error(x: Tensor, weights: list[Tensor]) -> Callable[[list[Tensor]], float]:
+def linear_error(x: Tensor, weights: list[Tensor], dtype: torch.dtype | None = None) -> Callable[[list[Tensor]], float]:
     """The MSE of the linears' concatenated outputs ``x @ w.T`` (``x [n, in]``) for candidate weights against the
     given ones: ``sum_i |x dW_i^T|^2 / (n out)``, through the Gram matrix ``x^T x`` where ``in < n`` (the same
     number, ``sum_i tr(dW_i G dW_i^T)``, at ``in / n`` of the products: 4.6x fewer for 4,096 rows of an
-    896-wide input), else on ``x`` itself."""
+    896-wide input), else on ``x`` itself, its products in ``dtype`` where given (the calibration's bfloat16)."""
     x = x.float()
     n, width = x.shape
     out = sum(w.shape[0] for w in weights)
@@ -63,37 +63,57 @@ def linear_error(x: Tensor, weights: list[Tensor]) -> Callable[[list[Tensor]], f
     if width < n:
         gram = x.T @ x
         return lambda ws: sum(((d := w - w0) @ gram * d).sum().item() for w, w0 in zip(ws, base)) / (n * out)
-    return lambda ws: sum((x @ (w - w0).T).pow(2).sum().item() for w, w0 in zip(ws, base)) / (n * out)
+    dt = dtype or torch.float32
+    xd = x.to(dt)
+    return lambda ws: sum((xd @ (w - w0).to(dt).T).float().pow(2).sum().item() for w, w0 in zip(ws, base)) / (n * out)
+
+
+def grid_order(grid: int, coarse: int = 0) -> Callable[[Callable[[int], float]], int]:
+    """How a search visits the grid points ``0..grid-1``: every one (``coarse`` 0), or every ``coarse``-th, then the
+    neighbours of the best so far at half the step (rounded up), down to 1 (20 points: 5 + 2 + 2 = 9 visits). On a loss that is
+    unimodal over the grid both find the same point. Returns ``search(loss_of_point) -> best point``."""
+    def search(loss: Callable[[int], float]) -> int:
+        seen: dict[int, float] = {}
+
+        def visit(k: int) -> None:
+            if 0 <= k < grid and k not in seen:
+                seen[k] = loss(k)
+        if not coarse:
+            for k in range(grid):
+                visit(k)
+            return min(seen, key=lambda k: (seen[k], k))
+        for k in range(0, grid, coarse):
+            visit(k)
+        step = coarse
+        while step > 1:
+            step = (step + 1) // 2  # the minimum lies within (best - step, best + step)
+            best = min(seen, key=lambda k: (seen[k], k))
+            visit(best - step)
+            visit(best + step)
+        return min(seen, key=lambda k: (seen[k], k))
+    return search
 
 
 @torch.inference_mode()
 def search_scale(x_mean: Tensor, weights: list[Tensor], scheme: Scheme, error: Callable[[list[Tensor]], float],
-                 grid: int = 20, duo: bool = True) -> ScaleResult:
-    """Grid over r in [0, 1) of ``s = x_mean ** r`` (with ``duo``: ``x_mean ** r / w_mean ** (1 - r)``, as
+                 grid: int = 20, duo: bool = True, coarse: int = 0) -> ScaleResult:
+    """Grid over r = k / grid in [0, 1) of ``s = x_mean ** r`` (with ``duo``: ``x_mean ** r / w_mean ** (1 - r)``, as
     AutoAWQ and llm-compressor do), minimising the output ``error`` of the fake-quantized scaled weights
-    (:func:`linear_error`, :func:`output_error`). r = 0 without duo is plain RTN, always a candidate."""
+    (:func:`linear_error`, :func:`output_error`), every point or coarse to fine (:func:`grid_order`). r = 0 without
+    duo is plain RTN, always a candidate."""
     x_mean = x_mean.float().clamp(min=1e-4)
     w_mean = weight_mean(weights, scheme).clamp(min=1e-4) if duo else None
-    best = None
-    base = None
-    for k in range(grid):
+    scales: dict[int, Tensor] = {}
+    losses: dict[int, float] = {}
+
+    def loss(k: int) -> float:
         ratio = k / grid
-        if w_mean is None or k == 0:
-            candidates = [x_mean.pow(ratio)]
-        else:
-            candidates = [x_mean.pow(ratio) / w_mean.pow(1 - ratio)]
-        for s in candidates:
-            s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1
-            ws = [fake_quantize(w.float() * s, scheme) / s for w in weights]
-            loss = error(ws)
-            if base is None:
-                base = loss
-            if best is None or loss < best[0]:
-                best = (loss, ratio, s)
-    loss, ratio, s = best
-    return ScaleResult(s, ratio, loss, base)
-
-
+        s = x_mean.pow(ratio) if w_mean is None or k == 0 else x_mean.pow(ratio) / w_mean.pow(1 - ratio)
+        scales[k] = s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1
+        losses[k] = error([fake_quantize(w.float() * s, scheme) / s for w in weights])
+        return losses[k]
+    best = grid_order(grid, coarse)(loss)
+    return ScaleResult(scales[best], best / grid, losses[best], losses[0])
 
 
 # -- the adapter: hooks that sample a decoder block's inputs, the smoothing applied in place ----------
@@ -135,6 +155,20 @@ def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap, guided: bool
     return out
 
 
+def _first_tokens(inputs: BlockInputs, tokens: int) -> BlockInputs:
+    """The first batches of ``inputs`` that hold at least ``tokens`` tokens (all of them for 0)."""
+    per_batch = inputs.hidden[0].shape[0] * inputs.hidden[0].shape[1]
+    keep = len(inputs.hidden) if not tokens else min(len(inputs.hidden), -(-tokens // per_batch))
+    return inputs.split(len(inputs.hidden) - keep)[0]
+
+
+def _held_hessians(block: nn.Module, linears: dict[str, nn.Linear], held: BlockInputs, cfg: QuantizeConfig
+                   ) -> dict[str, Tensor]:
+    """Each linear's Hessian on the held-out windows, which only judge (products in the search's dtype)."""
+    product = autocast_of(cfg.awq.search_dtype) or torch.float32
+    return {n: h.H for n, h in gptq_solver.observe(block, linears, held, product=product).items()}
+
+
 def _observe(block: nn.Module, linears: dict[str, nn.Linear], bmap: BlockMap, inputs: BlockInputs, n_tokens: int,
              seed: int, hessians: dict[str, gptq_solver.Hessian] | None, weights: dict[str, list[Tensor]] | None) -> Sampler:
     """Run the block once with hooks on its linears (and the modules that judge a scale)."""
@@ -148,25 +182,28 @@ def _observe(block: nn.Module, linears: dict[str, nn.Linear], bmap: BlockMap, in
     finally:
         for h in handles:
             h.remove()
+        sampler.release()
     return sampler
 
 
 @torch.inference_mode()
-def _group_error(block: nn.Module, sm: Smooth, sampler: Sampler, weights: list[Tensor]
-                 ) -> Callable[[list[Tensor]], float]:
+def _group_error(block: nn.Module, sm: Smooth, sampler: Sampler, weights: list[Tensor],
+                 autocast: torch.dtype | None = None) -> Callable[[list[Tensor]], float]:
     """The output error a smoothing scale is judged by, as a function of the group's weights: the linears' own
-    concatenated outputs on the sampled rows, or the ``inspect`` module's (e.g. attention) on whole sampled batches."""
+    concatenated outputs on the sampled rows, or the ``inspect`` module's (e.g. attention, the MLP) on whole sampled
+    batches, its forwards under ``autocast`` (the calibration's dtype) where given."""
     if sm.inspect is None:
-        return linear_error(sampler.x(sm.linears[0]), weights)
+        return linear_error(sampler.x(sm.linears[0]), weights, autocast)
     inspect = block.get_submodule(sm.inspect)
     names = [f"{n[len(sm.inspect) + 1:]}.weight" for n in sm.linears]
     batches = sampler.module_inputs[sm.inspect]
 
     def forward(ws):
         outs = []
-        for h, kw in batches:
-            out = functional_call(inspect, dict(zip(names, ws)), (h,), kw)
-            outs.append(out[0] if isinstance(out, tuple) else out)
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            for h, kw in batches:
+                out = functional_call(inspect, dict(zip(names, ws)), (h,), kw)
+                outs.append(out[0] if isinstance(out, tuple) else out)
         return torch.cat(outs)
     return output_error(forward, forward([w.float() for w in weights]))
 
@@ -232,8 +269,9 @@ def _smooth(block: nn.Module, sm: Smooth, linears: dict[str, nn.Linear], sampler
     if any(m.in_features != prev.weight.shape[0] for m in mods):  # e.g. v_proj -> o_proj under GQA
         return None
     weights = [m.weight.data for m in mods]
-    res = search_scale(sampler.x_mean(sm.linears[0]), weights, cfg.scheme, _group_error(block, sm, sampler, weights),
-                       cfg.awq.grid, cfg.awq.duo_scaling)
+    error = _group_error(block, sm, sampler, weights, autocast_of(cfg.awq.search_dtype))
+    res = search_scale(sampler.x_mean(sm.linears[0]), weights, cfg.scheme, error, cfg.awq.grid, cfg.awq.duo_scaling,
+                       cfg.awq.coarse)
     s = res.scales
     snapshot = None if judge is None else _Snapshot.take(prev, mods, sm.linears, sampler, hessians)
     _scale_prev(prev, s, bmap.norm_offset)
@@ -288,7 +326,7 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
     rows = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[:opts.search_tokens]
     x, inter = x[rows], inter_all[rows]  # a fixed sample of the routed tokens for the searches
     res = search_scale(inter_all.abs().mean(0), [w_down], scheme, linear_error(inter, [w_down]), opts.grid,
-                       opts.duo_scaling)
+                       opts.duo_scaling, opts.coarse)
     s = res.scales  # [I]: up rows / s, down columns * s leaves the fp expert unchanged
     n_i = w_down.shape[1]
     w_gu[n_i:] /= s[:, None]
@@ -346,10 +384,10 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
         fit, held = inputs.split(run.holdout)
-        judge = None if held is None else _Judge({n: h.H for n, h in gptq_solver.observe(block, linears, held).items()},
-                                                 f"{prefix}.{i}.")
+        judge = None if held is None else _Judge(_held_hessians(block, linears, held, cfg), f"{prefix}.{i}.")
         hessians = _shared_hessians(linears, bmap, tw is not None) if cfg.awq.rounding == "gptq" else None
-        sampler = _observe(block, linears, bmap, fit, cfg.awq.search_tokens, cfg.seed + i, hessians,
+        observed = fit if hessians is not None else _first_tokens(fit, cfg.awq.observe_tokens)
+        sampler = _observe(block, linears, bmap, observed, cfg.awq.search_tokens, cfg.seed + i, hessians,
                            None if tw is None else {n: tw.pop((i, n)) for n in linears})
         for sm in bmap.smooths:
             record = _smooth(block, sm, linears, sampler, cfg, bmap, hessians, judge)

@@ -174,11 +174,12 @@ def _result(Q: Tensor, scales: Tensor, zeros: Tensor | None, loss: Tensor, schem
 
 # -- the Hessians of a block's linears, from hooks on them ----------------------------------------
 def observe(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs,
-            weights: dict[str, list[Tensor]] | None = None, outputs: list[Tensor] | None = None) -> dict[str, Hessian]:
-    """Each linear's Hessian over the block's calibration inputs; linears fed the very same tensor (q/k/v) share one,
-    unless ``weights`` (per linear, each batch's token weights) tell their tokens apart. ``outputs``, when given,
-    receives the block's outputs of that forward."""
-    hessians = {n: Hessian.zeros(m.in_features) for n, m in linears.items()}
+            weights: dict[str, list[Tensor]] | None = None, outputs: list[Tensor] | None = None,
+            product: torch.dtype = torch.float32) -> dict[str, Hessian]:
+    """Each linear's Hessian over the block's calibration inputs (its products in ``product``: Hessian); linears fed
+    the very same tensor (q/k/v) share one, unless ``weights`` (per linear, each batch's token weights) tell their
+    tokens apart. ``outputs``, when given, receives the block's outputs of that forward."""
+    hessians = {n: Hessian.zeros(m.in_features, product) for n, m in linears.items()}
     owners = InputOwners()
     calls = dict.fromkeys(linears, 0)
 

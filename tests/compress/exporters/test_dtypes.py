@@ -156,3 +156,25 @@ def test_quantize_keeps_the_source_dtype_and_exports_follow_it(tmp_path, stream)
     # with the recipe's int8 table the fp tensors left (norms) still say bf16, not the fp16 of the table's scales
     quantize(str(tmp_path / "fp"), recipe="rtn4", out=tmp_path / "q8", stream=stream, group_size=32)
     assert declared_dtype(resolve(str(tmp_path / "q8"))) == torch.bfloat16
+
+
+def test_a_gguf_source_keeps_its_outer_tensors_at_16_bits(tmp_path, monkeypatch):
+    """A GGUF is read through its fp32 dequantized cache: the tensors left unquantized outside the blocks are written
+    as bfloat16 (compress/exporters/dtypes.py's rule for a GGUF source), not widened, and both paths agree."""
+    pytest.importorskip("gguf")
+    from folders import folder_tensors
+
+    from compress.config import load_recipe
+    from compress.exporters.gguf import GGUFOptions
+    from compress.job import quantize_to_folder
+
+    from .gguf_models import build
+
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
+    path = export(str(build(tmp_path / "q", "llama", Scheme(4, 32, True))), "gguf", tmp_path / "m.gguf",
+                  options=GGUFOptions(embed_type="f16"))
+    cfg = load_recipe("rtn4").replace(embed="none", head="none")
+    a = folder_tensors(quantize_to_folder(str(path), cfg, str(tmp_path / "s"), stream=True).out)
+    b = folder_tensors(quantize_to_folder(str(path), cfg, str(tmp_path / "m"), stream=False).out)
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert {a[k].dtype for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")} == {torch.bfloat16}

@@ -111,23 +111,3 @@ def test_quantized_tables_load_back(tmp_path, smol_tokenizer, family, embed, hea
     ids = torch.randint(0, len(smol_tokenizer), (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
-
-
-def test_a_gguf_source_keeps_its_outer_tensors_at_16_bits(tmp_path, monkeypatch):
-    """A GGUF is read through its fp32 dequantized cache: the tensors left unquantized outside the blocks are written
-    as bfloat16 (compress/exporters/dtypes.py's rule for a GGUF source), not widened, and both paths agree."""
-    pytest.importorskip("gguf")
-    from compress.exporters.dispatch import export
-    from compress.exporters.gguf import GGUFOptions
-    from compress.format.quant import Scheme
-
-    from exporters.gguf_models import build
-
-    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
-    path = export(str(build(tmp_path / "q", "llama", Scheme(4, 32, True))), "gguf", tmp_path / "m.gguf",
-                  options=GGUFOptions(embed_type="f16"))
-    cfg = load_recipe("rtn4").replace(embed="none", head="none")
-    a = folder_tensors(quantize_to_folder(str(path), cfg, str(tmp_path / "s"), stream=True).out)
-    b = folder_tensors(quantize_to_folder(str(path), cfg, str(tmp_path / "m"), stream=False).out)
-    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
-    assert {a[k].dtype for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")} == {torch.bfloat16}
