@@ -172,10 +172,9 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
         click.echo(line)
     click.echo(f"wrote {res.out}")
     if json_path:
-        import dataclasses
         import json
 
-        Path(json_path).write_text(json.dumps({**dataclasses.asdict(res), "recipe": recipe}, indent=2))
+        Path(json_path).write_text(json.dumps({**res.to_json(), "recipe": recipe}, indent=2))
 
 
 @main.command()
