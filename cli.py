@@ -247,7 +247,7 @@ def eval_cmd(model_spec, baseline, server, tokenizer, api_key, served_model, con
         bars.close()
     click.echo(format_table(result))
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2))
+        Path(json_path).write_text(json.dumps(result.to_json(), indent=2))
         click.echo(f"wrote {json_path}")
 
 

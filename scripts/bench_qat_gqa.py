@@ -159,9 +159,9 @@ def main() -> None:
             continue
         spec = MODEL if name == "fp" else str(root / name)
         ev = evaluate_model(spec, texts, [], None, 512, args.max_windows)
-        results[name].update(ppl=ev["ppl"], eval_seconds=ev["seconds"])
+        results[name].update(ppl=ev.ppl, eval_seconds=ev.seconds)
         results_path.write_text(json.dumps(results, indent=2))
-        print(f"{name}: " + ", ".join(f"ppl {t} {v:.3f}" for t, v in ev["ppl"].items()), flush=True)
+        print(f"{name}: " + ", ".join(f"ppl {t} {v:.3f}" for t, v in ev.ppl.items()), flush=True)
     print(summarize(results))
     print(f"wrote {results_path}")
 
