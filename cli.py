@@ -163,9 +163,8 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
 
     try:
         res = api.quantize(model_spec, recipe, out, overwrite=overwrite, stream=stream, max_memory=max_memory,
-                           offload_activations=offload_activations,
-                           trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, progress=progress,
-                           train_progress=train_progress, **overrides)
+                           offload_activations=offload_activations, trust_remote_code=trust_remote_code,
+                           allow_pickle=allow_pickle, progress=progress, train_progress=train_progress, **overrides)
     finally:
         bar.close()
     for line in res.lines():
