@@ -163,19 +163,17 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
 
     try:
         res = api.quantize(model_spec, recipe, out, overwrite=overwrite, stream=stream, max_memory=max_memory,
-                           offload_activations=offload_activations,
-                           trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, progress=progress,
-                           train_progress=train_progress, **overrides)
+                           offload_activations=offload_activations, trust_remote_code=trust_remote_code,
+                           allow_pickle=allow_pickle, progress=progress, train_progress=train_progress, **overrides)
     finally:
         bar.close()
     for line in res.lines():
         click.echo(line)
     click.echo(f"wrote {res.out}")
     if json_path:
-        import dataclasses
         import json
 
-        Path(json_path).write_text(json.dumps({**dataclasses.asdict(res), "recipe": recipe}, indent=2))
+        Path(json_path).write_text(json.dumps({**res.to_json(), "recipe": recipe}, indent=2))
 
 
 @main.command()
@@ -248,7 +246,7 @@ def eval_cmd(model_spec, baseline, server, tokenizer, api_key, served_model, con
         bars.close()
     click.echo(format_table(result))
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2))
+        Path(json_path).write_text(json.dumps(result.to_json(), indent=2))
         click.echo(f"wrote {json_path}")
 
 

@@ -42,10 +42,11 @@ def quantize(model: str, recipe: str = "awq4", out: str | Path | None = None, *,
 
 def evaluate(model: str | None, baseline: str | None = None, ppl: Iterable[str] = ("wiki",), tasks: Iterable[str] = (),
              limit: int | None = None, seqlen: int = 512, max_windows: int | None = None, batch_size: int = 8,
-             progress=None, server=None) -> dict:
+             progress=None, server=None):
     """Held-out perplexity on each text in ``ppl``, accuracy on each lm-eval task, and size of ``model``, side by
-    side with ``baseline``: ``{"baseline", "compressed", "delta", "settings"}`` (eval/report.py). ``server`` (a
-    URL, or an eval/served.py ServerTarget) scores a running OpenAI-compatible server in place of ``model``."""
+    side with ``baseline``: an eval/result.py EvalResult (``.baseline``, ``.compressed``, ``.delta``, ``.settings``;
+    ``result["delta"]``, the dict key of old, still reads). ``server`` (a URL, or an eval/served.py ServerTarget)
+    scores a running OpenAI-compatible server in place of ``model``."""
     # eval/api.py holds it: compress imports nothing from eval (tests/test_imports.py checks the static graph, and
     # allows this one lookup by name, made only when the function is called)
     return import_module("eval.api").evaluate(model, baseline, ppl, tasks, limit, seqlen, max_windows, batch_size,

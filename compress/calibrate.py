@@ -25,6 +25,7 @@ from compress.format.checkpoint import set_module
 from compress.format.mappings import KEEP_FP
 from compress.format.qlinear import QuantLinear
 from compress.format.quant import QuantizedWeight
+from compress.methods.common.report import ExpertRecord, QuantizeReport
 from compress.offload import DiskTensors, empty_like
 
 if TYPE_CHECKING:
@@ -197,14 +198,6 @@ IN_MEMORY = BlockStore()
 
 
 @dataclass
-class QuantizeReport:
-    method: str
-    seconds: float = 0.0
-    layers: list[dict] = field(default_factory=list)  # one entry per quantized linear or AWQ smoothing
-    notes: dict = field(default_factory=dict)  # "gqa": KV heads and bytes/token, "qat": training losses
-
-
-@dataclass
 class Run:
     """What the pipeline hands every method besides the model and its config (one signature for all:
     ``quantize(model, cfg, run)``, compress/pipeline.py METHODS)."""
@@ -216,7 +209,7 @@ class Run:
     store: BlockStore = IN_MEMORY  # where the blocks' weights live (compress/stream.py streams them)
     # a mixture-of-experts model's expert step, run after each block's linears (compress/methods/common/moe.py
     # BlockExperts): ``experts(i, block, inputs=None, expert=None) -> records``; None for a dense model
-    experts: Callable[..., list[dict]] | None = None
+    experts: Callable[..., list[ExpertRecord]] | None = None
     teacher: nn.Module | None = None  # the fp model to distil from, when an earlier step kept one
     # QAT's GPTQ init (compress/methods/qat.py): GPTQ puts each linear's pre-rounding weights here, keyed by the linear
     latents: dict[nn.Module, Tensor] | None = None

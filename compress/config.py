@@ -20,12 +20,10 @@ QAT_INITS = ("rtn", "awq", "gptq")  # compress/methods/qat.py: the PTQ result tr
 ROUNDINGS = ("rtn", "gptq")  # awq's final rounding
 TRAIN_DTYPES = ("bfloat16", "float32")
 KV_INITS = ("mean", "pca")  # compress/transforms/gqa.py
-UPTRAIN_SCOPES = ("blocks", "attn")  # transforms/gqa.py: uptraining moves whole decoder blocks, or attention only
-ROTATIONS = ("none", "hadamard")  # compress/transforms/rotate.py: a randomized Hadamard folded into the weights
-# the input embedding and the LM head (compress/methods/embed_head.py): kept as they are, or RTN codes of this width
-OUTER_CHOICES = ("none", "int8", "int4")
-# how an untied LM head is rounded: RTN, or GPTQ on the final hidden states (compress/methods/head_gptq.py)
-HEAD_METHODS = ("rtn", "gptq")
+UPTRAIN_SCOPES = ("blocks", "attn")  # what uptraining moves (compress/transforms/gqa.py)
+ROTATIONS = ("none", "hadamard")  # compress/transforms/rotate.py
+OUTER_CHOICES = ("none", "int8", "int4")  # the embedding's and the head's codes (compress/methods/embed_head.py)
+HEAD_METHODS = ("rtn", "gptq")  # a quantized head's rounding (compress/methods/head_gptq.py)
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
@@ -40,25 +38,15 @@ class GPTQOptions:
     """GPTQ's rounding (method gptq, and awq with ``rounding: gptq``)."""
 
     damp: float = 0.01  # Hessian damping, as a fraction of its mean diagonal
-    block_size: int = 128  # columns per lazy batch update (speed only: the result is the same)
+    block_size: int = 128  # columns per lazy batch update (speed only)
     act_order: bool = False
     static_groups: bool = False
-    mse: bool = False  # clip each group's grid to minimise H-diagonal-weighted rounding error
-    # weight each token in the Hessians by the squared loss gradient at the linear's output
-    # (compress/methods/common/guided.py): one forward and backward pass of the whole fp model first; not streamed
-    guided: bool = False
-    # the gradient-weighted Hessian's share in the one GPTQ uses, the plain Hessian (every token once) the rest:
-    # 1 is GuidedQuant's; below it the few tokens with the largest gradients weigh less (BENCHMARKS.md, issue 17)
-    guided_mix: float = 1.0
-    # the gradient pass covers the first guided_nsamples calibration sequences (0, or more than nsamples: all); the
-    # plain Hessian still takes them all (a forward pass covers the rest): about half the pass's time at half
-    guided_nsamples: int = 0
-    # False: each block's Hessians on the fp model's activations (the fp block's outputs go on to the next block, and
-    # no quantized block is run: one forward per block, not two), compress/methods/gptq.py
-    sequential: bool = True
-    # with the RTN fallback's held-out windows: a layer that keeps GPTQ is solved again on every window, the held-out
-    # ones too (they chose the method; the weight then uses all the calibration text): one more solve per layer
-    refit: bool = False
+    mse: bool = False  # clip each group's grid to minimise the H-diagonal-weighted rounding error
+    guided: bool = False  # weigh each Hessian's tokens by their loss gradients (methods/common/guided.py; not streamed)
+    guided_mix: float = 1.0  # the gradient-weighted Hessian's share, the plain one the rest (1: GuidedQuant's)
+    guided_nsamples: int = 0  # calibration sequences the gradient pass covers (0: all)
+    sequential: bool = True  # False: each block's Hessians on the fp model's activations (one forward per block)
+    refit: bool = False  # a layer that keeps GPTQ over RTN is solved again with the held-out windows too
 
     def __post_init__(self):
         if not 0 < self.damp < 1:
@@ -80,20 +68,15 @@ class AWQOptions:
     """AWQ's scale and clipping searches (method awq, and qat with ``init: awq``)."""
 
     grid: int = 20
-    # the scale search visits every grid point (0), or every coarse-th then the best's neighbours at halving steps
-    # (compress/methods/awq.py grid_order: 9 of 20 points at 4; the same choice wherever the loss is unimodal)
-    coarse: int = 0
+    coarse: int = 0  # the scale search: every grid point (0), or every coarse-th, then refined (awq.py grid_order)
     duo_scaling: bool = True  # search x_mean^r / w_mean^(1-r) (AutoAWQ, llm-compressor) instead of x_mean^r
     clip: bool = True
     search_tokens: int = 4096
     clip_tokens: int = 512  # token rows of each linear's input that judge its clipping range
     clip_grid: int = 20  # clipping shrink factors are tried in steps of 1 / clip_grid, down to 0.5
     rounding: str = "rtn"  # round the smoothed, clipped weights by rtn (AutoAWQ) or gptq (the gptq options)
-    # the fp block's observe pass (input magnitudes, sampled rows, attention batches) over the first windows holding
-    # this many tokens, not every fitting window (0); gptq rounding, whose Hessians need every token, observes all
-    observe_tokens: int = 0
-    # the scale search's and the held-out judging's products (module forwards, wide outputs, Hessians): float32 or bfloat16
-    search_dtype: str = "float32"
+    observe_tokens: int = 0  # the fp observe pass over the first windows holding this many tokens (0: all; rtn only)
+    search_dtype: str = "float32"  # the scale search's and held-out judging's products: float32 or bfloat16
 
     def __post_init__(self):
         _at_least_one(self, ("grid", "search_tokens", "clip_tokens", "clip_grid"))
@@ -113,19 +96,15 @@ class AWQOptions:
 
 @dataclass(frozen=True)
 class QATOptions:
-    """QAT: start from a PTQ result (init), then distil the fp model for ``steps`` (weights at lr, scales at scale_lr).
-    ``lr_in_steps``: lr counts in each group's grid steps (its initial scale) instead of the weight's own units, so that
-    layers whose ranges differ (a rotation's folded norms shrink some 3-4x) move alike. ``self_data``: the share of the
-    training windows that the fp model samples itself (compress/methods/common/selfdata.py); the PTQ init still
-    calibrates on the calibration text."""
+    """QAT: start from a PTQ result (``init``), then distil the fp model for ``steps``."""
 
     init: str = "rtn"
     steps: int = 200
-    lr: float = 1e-5
-    scale_lr: float = 1e-3
+    lr: float = 1e-5  # the weights'
+    scale_lr: float = 1e-3  # the scales' (0 keeps them fixed)
     learn_zero: bool = False
-    lr_in_steps: bool = False
-    self_data: float = 0.0
+    lr_in_steps: bool = False  # lr in each group's grid steps, not the weight's units: unlike ranges move alike
+    self_data: float = 0.0  # the share of training windows the fp model samples itself (methods/common/selfdata.py)
 
     def __post_init__(self):
         if self.init not in QAT_INITS:
@@ -152,56 +131,40 @@ class QuantizeConfig:
     bits: int = 4
     group_size: int = 128
     sym: bool = False
-    # 1: asymmetric zero points >= 1, so `export --format gptq` writes v1 (compress/format/quant.py)
-    zero_floor: int = 0
+    zero_floor: int = 0  # 1: asymmetric zero points >= 1, so `export --format gptq` writes v1
     description: str = ""
-    # calibration
-    calib: str = "wiki"
+    calib: str = "wiki"  # calibration text
     nsamples: int = 128
     seqlen: int = 512
     seed: int = 0
     batch_size: int = 8
-    calib_dtype: str = "float32"  # or bfloat16: block forwards during calibration under CPU autocast
+    calib_dtype: str = "float32"  # or bfloat16: calibration's block forwards under CPU autocast
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
     awq: AWQOptions = field(default_factory=AWQOptions)
     qat: QATOptions = field(default_factory=QATOptions)
-    # before any method: fold the norms and rotate the residual stream and each value head
-    # (compress/transforms/rotate.py)
-    rotate: str = "none"
-    # the final rounding picks each group's range by the activation-weighted error (gptq's grid, awq's rtn)
-    weighted_range: bool = False
-    # gptq and awq keep plain RTN per layer (per AWQ smoothing group) where it is better on the last holdout share
-    # of the calibration windows, which the method does not fit on (compress/methods/common/fallback.py)
-    fallback: bool = True
-    holdout: float = 0.125
-    # fp linears kept as they are (regular expressions searched in full module names)
-    ignore: tuple[str, ...] = ("lm_head",)
-    train_dtype: str = "bfloat16"  # autocast dtype of training forwards (qat and uptraining); float32 disables
-    # gqa: pool the KV heads down to kv_heads (0 keeps them), uptrain for uptrain_steps, then quantize
-    kv_heads: int = 0
-    kv_init: str = "pca"  # new KV heads: "pca" (activation-aware merge, needs calibration) or "mean" pooling
-    kv_fit_steps: int = 0  # then fit each merged attention to the original's outputs, this many steps per layer
+    rotate: str = "none"  # before any method, a rotation folded into the weights
+    weighted_range: bool = False  # the final rounding picks each group's range by the activation-weighted error
+    fallback: bool = True  # gptq and awq keep RTN per layer where it is better on held-out windows
+    holdout: float = 0.125  # the share of calibration windows held out for the fallback
+    ignore: tuple[str, ...] = ("lm_head",)  # linears kept in fp (regular expressions searched in full names)
+    train_dtype: str = "bfloat16"  # autocast dtype of qat's and uptraining's forwards; float32 disables
+    kv_heads: int = 0  # pool the KV heads down to this many before quantizing (0 keeps them)
+    kv_init: str = "pca"  # the new KV heads: "pca" (activation-aware, needs calibration) or "mean" pooling
+    kv_fit_steps: int = 0  # then fit each merged attention to the original's outputs, steps per layer
     kv_fit_lr: float = 1e-3
     uptrain_steps: int = 0
     uptrain_lr: float = 5e-5
-    uptrain_scope: str = "blocks"  # what uptraining moves: whole decoder "blocks" or "attn" (attention) only
-    # moe: an expert routed fewer calibration tokens than this is RTN-quantized (None: the default of
-    # compress/methods/common/moe.py)
-    moe_min_tokens: int | None = None
-    # the input embedding and the LM head, by RTN (compress/methods/embed_head.py): none (kept in the source's dtype),
-    # int8 (per row, symmetric: llama.cpp's Q8_0 width) or int4 (groups of 32, asymmetric); a group size of 0 and a sym
-    # of None take the choice's own; on a tied model both name one tensor: set either, or both alike
+    uptrain_scope: str = "blocks"  # what uptraining moves: "blocks" or "attn"
+    moe_min_tokens: int | None = None  # an expert routed fewer calibration tokens is RTN-quantized (None: moe.py's)
+    # the input embedding and the LM head: none (the source's dtype), int8 or int4 RTN codes; a group size of 0 and a
+    # sym of None take the choice's own; on a tied model both name one tensor (set either, or both alike)
     embed: str = "none"
     head: str = "none"
     embed_group_size: int = 0
     head_group_size: int = 0
     embed_sym: bool | None = None
     head_sym: bool | None = None
-    # a quantized head's rounding: rtn, or gptq on the quantized body's final (normed) hidden states over the
-    # calibration windows, keeping RTN if that is better on the held-out ones; on a tied model the one table is rounded
-    # for the head and the lookups read the same codes (measured better than RTN on SmolLM2:
-    # compress/methods/head_gptq.py)
-    head_method: str = "rtn"
+    head_method: str = "rtn"  # a quantized head's rounding: rtn, or gptq on the final hidden states
 
     def __post_init__(self):
         if self.method not in METHODS:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from compress.calibrate import BlockStore
@@ -34,25 +34,14 @@ class QuantizeSummary:
     streamed: bool = False
     memory: dict = field(default_factory=dict)  # the estimate, and the largest block held (streamed)
 
+    def to_json(self) -> dict:
+        """What `compress quantize --json` writes: every field, the report as its JSON."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"report": self.report.to_json()}
+
     def lines(self) -> list[str]:
         """What a person reads after a run: KV heads, QAT, size, time and memory, streaming."""
-        notes, out = self.report.notes, []
-        if "gqa" in notes:
-            g = notes["gqa"]
-            out.append(f"kv heads: {g['kv_heads_before']} -> {g['kv_heads_after']}, KV cache "
-                       f"{g['kv_bytes_per_token_before']:,} -> {g['kv_bytes_per_token_after']:,} bytes/token (fp16)"
-                       + (f", attention fit error {g['fit_error_before']:.3f} -> {g['fit_error_after']:.3f}"
-                          if "fit_error_before" in g else "")
-                       + (f", uptraining KL {g['uptrain_loss_first']:.4f} -> {g['uptrain_loss_last']:.4f}"
-                          if "uptrain_loss_first" in g else ""))
-        if "qat" in notes:
-            q = notes["qat"]
-            out.append(f"qat: {q['steps']} steps from {q['init']}, KL {q['loss_first']:.4f} -> {q['loss_last']:.4f} "
-                       f"in {q['train_seconds']:.0f} s")
-        if "fallback" in notes:
-            f = notes["fallback"]
-            out.append(f"fallback: {f['rtn']} of {f['judged']} layers kept RTN, better on {f['heldout_windows']} "
-                       "held-out calibration windows")
+        notes = self.report.notes
+        out = [note.line() for note in (notes.gqa, notes.qat, notes.fallback) if note is not None]
         out.append(f"size: {_mb(self.fp_bytes)} (fp) -> {_mb(self.out_bytes)} "
                    f"({self.fp_bytes / max(self.out_bytes, 1):.2f}x smaller)")
         out.append(f"time: {self.seconds:.1f} s (quantization {self.report.seconds:.1f} s), peak memory "
@@ -147,7 +136,7 @@ def _calibrated_head(model, cfg: QuantizeConfig, scheme, batches, progress, repo
     res = calibrate_head(model, cfg, scheme, batches, progress, **streamed)
     seconds = time.perf_counter() - t0
     report.seconds += seconds  # the summary's quantization time includes the head's pass
-    report.notes["head_calibration"] = {**res.record(), "seconds": seconds}
+    report.notes.head_calibration = res.note(seconds)
     return res.weight
 
 
@@ -180,7 +169,7 @@ def _quantization_config(model, cfg: QuantizeConfig, calibration: dict, recipe: 
                          report: QuantizeReport) -> dict:
     from compress.format.checkpoint import build_quantization_config
 
-    fell = {k: report.notes[k] for k in ("fallback", "head_calibration") if k in report.notes}  # RTN kept, and where
+    fell = report.notes.checkpoint()  # RTN kept, and where
     return build_quantization_config(model, cfg.method, cfg.scheme, cfg.gptq.act_order and not cfg.gptq.static_groups,
                                      calibration, extra={"recipe": recipe, "source_model": src.name,
                                                          "config": cfg.to_dict(), **fell})

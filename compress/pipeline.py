@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict
-
 from torch import Tensor, nn
 
 from compress.calibrate import IN_MEMORY, BlockStore, Method, Progress, QuantizeReport, Run, TrainProgress, layers_name
 from compress.config import QuantizeConfig
 from compress.methods import awq, gptq, nf4, qat, rtn
 from compress.methods.common import fallback, moe
+from compress.methods.common.report import FitNote, GQANote, UptrainNote
 from compress.transforms import gqa, rotate
 
 __all__ = ["METHODS", "Progress", "QuantizeReport", "TrainProgress", "quantize_model"]
@@ -39,13 +38,9 @@ def _convert_kv_heads(model: nn.Module, cfg: QuantizeConfig, batches, report: Qu
                                   cfg.batch_size, cfg.train_dtype, cfg.seed, train_progress, cfg.kv_init,
                                   cfg.uptrain_scope, cfg.kv_fit_steps, cfg.kv_fit_lr,
                                   None if progress is None else lambda layer, layers, *_: progress(layer, layers))
-    report.notes["gqa"] = {k: v for k, v in asdict(res).items() if k not in ("uptrain", "fit")}
-    if res.fit is not None:
-        report.notes["gqa"].update(fit_error_before=res.fit.mean_before, fit_error_after=res.fit.mean_after,
-                                   fit_seconds=res.fit.seconds)
-    if res.uptrain is not None:
-        report.notes["gqa"].update(uptrain_loss_first=res.uptrain.first, uptrain_loss_last=res.uptrain.last,
-                                   uptrain_seconds=res.uptrain.seconds)
+    fit, up = res.fit, res.uptrain
+    report.notes.gqa = GQANote(res.kv, None if fit is None else FitNote(fit.mean_before, fit.mean_after, fit.seconds),
+                               None if up is None else UptrainNote(up.first, up.last, up.seconds))
     return teacher if cfg.method == "qat" else None
 
 
@@ -63,7 +58,7 @@ def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] 
         raise ValueError(f"method {cfg.method}" + (" with uptrain_steps" if cfg.uptrain_steps else "")
                          + " needs calibration data; give --calib (e.g. wiki)")
     if cfg.rotate != "none":  # before any method: the same fp function, its outliers spread over all channels
-        report.notes["rotate"] = vars(rotate.rotate_model(model, cfg.rotate, cfg.seed))
+        report.notes.rotate = rotate.rotate_model(model, cfg.rotate, cfg.seed)
     teacher = _convert_kv_heads(model, cfg, batches, report, progress, train_progress) if cfg.kv_heads else None
     experts = None if layout is None else moe.BlockExperts(layout, cfg, layers_name(model))
     held = 0
@@ -74,7 +69,6 @@ def quantize_model(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor] 
     run = Run(report, batches, progress, train_progress, store, experts, teacher, holdout=held, ptq=ptq)
     METHODS[cfg.method](model, cfg, run)
     if held:
-        decisions = {n: r["choice"] for r in report.layers if "choice" in r for n in r["names"]}
-        report.notes["fallback"] = fallback.summary(decisions, sum(b.shape[0] for b in run.held_batches))
+        report.notes.fallback = fallback.summary(report.decisions(), sum(b.shape[0] for b in run.held_batches))
     report.seconds = time.perf_counter() - t0
     return report

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from eval.result import EvalResult
+
 
 def evaluate(model: str | None, baseline: str | None = None, ppl: Iterable[str] = ("wiki",), tasks: Iterable[str] = (),
              limit: int | None = None, seqlen: int = 512, max_windows: int | None = None, batch_size: int = 8,
-             progress=None, server=None) -> dict:
+             progress=None, server=None) -> EvalResult:
     """``compress.api.evaluate``'s body (its docstring says what it returns): the report's arguments under the API's
     names, a server URL made a ServerTarget."""
     from eval.report import evaluate as run

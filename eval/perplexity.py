@@ -9,24 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
 from compress.data import tokenize
+from eval.result import PplResult
 
 LOSS_CHUNK = 128  # positions per cross-entropy call: bounds the fp32 log-softmax temporaries
-
-
-@dataclass(frozen=True)
-class PplResult:
-    """Perplexity, the mean NLL it comes from, and how many tokens/windows were scored."""
-
-    ppl: float
-    nll: float
-    tokens: int
-    windows: int
 
 
 def window_nll_sum(logits: Tensor, ids: Tensor, chunk: int = LOSS_CHUNK) -> Tensor:

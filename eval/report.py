@@ -5,12 +5,12 @@ import gc
 import logging
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from torch import nn
 
 from eval.progress import StepProgress, no_progress, quiet_third_party
+from eval.result import Delta, EvalResult, ModelResult, Settings
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def average_accuracy(accuracy: dict[str, dict[str, float]]) -> float | None:
 
 
 def evaluate_model(spec: str, texts: dict[str, list[str]], tasks: list[str], limit: int | None, seqlen: int,
-                   max_windows: int | None, batch_size: int = 8, progress: StepProgress = no_progress) -> dict:
+                   max_windows: int | None, batch_size: int = 8, progress: StepProgress = no_progress) -> ModelResult:
     """Load one model and measure its size, perplexity on each text and accuracy on each task;
     ``progress`` sees a stage per text (windows) and per task (requests), named after the model."""
     from compress.exporters.onnx_runner import is_onnx_folder, load_causal_lm
@@ -65,37 +65,25 @@ def evaluate_model(spec: str, texts: dict[str, list[str]], tasks: list[str], lim
     for text, t in texts.items():
         tick = time.perf_counter()
         stage = f"{name}: ppl {_label(text)}"
-        ppl_detail[text] = asdict(perplexity(model, tokenizer, t, seqlen=seqlen, max_windows=max_windows,
-                                             batch_size=batch_size,
-                                             progress=lambda d, n, s=stage: progress(s, d, n, "window")))
+        ppl_detail[text] = perplexity(model, tokenizer, t, seqlen=seqlen, max_windows=max_windows,
+                                      batch_size=batch_size, progress=lambda d, n, s=stage: progress(s, d, n, "window"))
         seconds[f"ppl {text}"] = time.perf_counter() - tick
-        log.info("%s: ppl %s = %.3f (%.0f s)", spec, text, ppl_detail[text]["ppl"], seconds[f"ppl {text}"])
+        log.info("%s: ppl %s = %.3f (%.0f s)", spec, text, ppl_detail[text].ppl, seconds[f"ppl {text}"])
     tick = time.perf_counter()
     accuracy = (run_tasks(model, tokenizer, tasks, limit=limit, batch_size=batch_size, progress=progress,
                           label=f"{name}: ") if tasks else {})
     seconds["tasks"] = time.perf_counter() - tick
     del model
     gc.collect()
-    return {"model": spec, "size_bytes": size, "size_label": label,
-            "ppl": {k: v["ppl"] for k, v in ppl_detail.items()}, "ppl_detail": ppl_detail,
-            "accuracy": accuracy, "accuracy_avg": average_accuracy(accuracy), "seconds": seconds}
-
-
-def _delta(base: dict, comp: dict) -> dict:
-    acc = {t: {k: comp["accuracy"][t][k] - v for k, v in m.items() if k != "samples"}
-           for t, m in base["accuracy"].items()}
-    avg = None if base["accuracy_avg"] is None else comp["accuracy_avg"] - base["accuracy_avg"]
-    sized = comp["size_bytes"] is not None and base["size_bytes"]  # a served model has no size here
-    return {"size_bytes": comp["size_bytes"] - base["size_bytes"] if sized else None,
-            "size_ratio": comp["size_bytes"] / base["size_bytes"] if sized else None,
-            "ppl": {k: comp["ppl"][k] - v for k, v in base["ppl"].items()}, "accuracy": acc, "accuracy_avg": avg}
+    return ModelResult(spec, size, label, None, ppl_detail, accuracy, average_accuracy(accuracy), seconds)
 
 
 def evaluate(model_spec: str | None, baseline_spec: str | None = None,
              ppl_sources: list[str] | tuple[str, ...] = ("wiki",), tasks: list[str] | tuple[str, ...] = (),
              limit: int | None = None, seqlen: int = 512, max_windows: int | None = None, batch_size: int = 8,
-             progress: StepProgress = no_progress, server=None) -> dict:
-    """{"baseline", "compressed", "delta"}: each model's size, ppl per text (eval split) and accuracy per task;
+             progress: StepProgress = no_progress, server=None) -> EvalResult:
+    """The baseline (when given) and the compressed model: each one's size, ppl per text (eval split) and accuracy
+    per task, and their difference;
     ``server`` (an eval/served.py ServerTarget) takes the place of ``model_spec``: the served model is scored."""
     from compress.data import load_texts
     from eval.tasks import check_limit
@@ -112,9 +100,8 @@ def evaluate(model_spec: str | None, baseline_spec: str | None = None,
         compressed = evaluate_server(server, *args)
     else:
         compressed = evaluate_model(model_spec, *args)
-    return {"baseline": baseline, "compressed": compressed,
-            "delta": _delta(baseline, compressed) if baseline else None,
-            "settings": {"seqlen": seqlen, "max_windows": max_windows, "limit": limit, "split": "eval"}}
+    return EvalResult(baseline, compressed, Delta.between(baseline, compressed) if baseline else None,
+                      Settings(seqlen, max_windows, limit))
 
 
 def _fmt(value: float | None, kind: str, delta: bool = False) -> str:
@@ -132,39 +119,39 @@ def _label(source: str) -> str:
     return Path(source).name if source.endswith((".txt", ".jsonl")) else source
 
 
-def format_table(result: dict) -> str:
+def format_table(result: EvalResult) -> str:
     """One side-by-side table: size, ppl per text, accuracy per task and average accuracy."""
     from eval.tasks import PRIMARY
 
-    cols = [k for k in ("baseline", "compressed") if result.get(k)]
-    delta, comp, settings = result.get("delta"), result["compressed"], result["settings"]
-    heads = ["served" if result[c]["size_label"] == "served" else c for c in cols]
+    sides = {c: m for c, m in (("baseline", result.baseline), ("compressed", result.compressed)) if m}
+    delta, comp, settings = result.delta, result.compressed, result.settings
+    heads = ["served" if m.size_label == "served" else c for c, m in sides.items()]
     rows = [["", *(heads if delta else ["value"])] + (["delta"] if delta else [])]  # a lone model may be uncompressed
 
     def add(label: str, get, kind: str) -> None:
         change = [_fmt(get(delta), kind, True)] if delta else []
-        rows.append([label, *(_fmt(get(result[c]), kind) for c in cols), *change])
+        rows.append([label, *(_fmt(get(m), kind) for m in sides.values()), *change])
 
-    marks = {c: "*" if result[c]["size_label"] == SIZE_GGUF else "" for c in cols}
-    rows.append(["model", *(result[c]["model"] for c in cols)] + ([""] if delta else []))
-    rows.append(["size", *(_fmt(result[c]["size_bytes"], "size") + marks[c] for c in cols)]
-                + ([f"x{delta['size_ratio']:.3f}" if delta["size_ratio"] else "-"] if delta else []))
-    for name in comp["ppl"]:
-        add(f"ppl {_label(name)}", lambda r: r["ppl"][name], "ppl")
-    for task, metrics in comp["accuracy"].items():
+    marks = {c: "*" if m.size_label == SIZE_GGUF else "" for c, m in sides.items()}
+    rows.append(["model", *(m.model for m in sides.values())] + ([""] if delta else []))
+    rows.append(["size", *(_fmt(m.size_bytes, "size") + marks[c] for c, m in sides.items())]
+                + ([f"x{delta.size_ratio:.3f}" if delta.size_ratio else "-"] if delta else []))
+    for name in comp.ppl:
+        add(f"ppl {_label(name)}", lambda r: r.ppl[name], "ppl")
+    for task, metrics in comp.accuracy.items():
         for metric in sorted((m for m in metrics if m != "samples"), key=lambda k: k != PRIMARY[task]):
-            add(f"{task} {metric}", lambda r: r["accuracy"][task][metric], "ppl" if metric == "perplexity" else "acc")
-    if comp["accuracy"]:
-        add("avg accuracy", lambda r: r["accuracy_avg"], "acc")
+            add(f"{task} {metric}", lambda r: r.accuracy[task][metric], "ppl" if metric == "perplexity" else "acc")
+    if comp.accuracy:
+        add("avg accuracy", lambda r: r.accuracy_avg, "acc")
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     notes = [f"size: {SIZE_ON_DISK}"] if not all(marks.values()) else []
     notes += ["served: scored through the server's /v1/completions (echoed prompt logprobs)"] if any(
-        result[c]["size_label"] == "served" for c in cols) else []
+        m.size_label == "served" for m in sides.values()) else []
     notes += [f"* {SIZE_GGUF}"] if any(marks.values()) else []
-    notes.append(f"ppl: eval split, windows of {settings['seqlen']} tokens; accuracy in %")
-    if comp["accuracy"] and settings["limit"]:
-        notes.append(f"tasks: first {settings['limit']} documents each")
+    notes.append(f"ppl: eval split, windows of {settings.seqlen} tokens; accuracy in %")
+    if comp.accuracy and settings.limit:
+        notes.append(f"tasks: first {settings.limit} documents each")
     return "\n".join(lines + [""] + notes)

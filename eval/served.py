@@ -18,8 +18,9 @@ from pathlib import Path
 
 from torch import Tensor
 
-from eval.perplexity import PplResult, token_windows
+from eval.perplexity import token_windows
 from eval.progress import StepProgress, no_progress
+from eval.result import ModelResult, PplResult
 from eval.tasks import RequestProgress, check_limit, score_tasks
 
 TIMEOUT_S = 600  # one request may score a batch of long windows on a slow CPU
@@ -211,10 +212,9 @@ class ServerTarget:
 
 def evaluate_server(target: ServerTarget, texts: dict[str, list[str]], tasks: list[str], limit: int | None,
                     seqlen: int, max_windows: int | None, batch_size: int = 8,
-                    progress: StepProgress = no_progress) -> dict:
+                    progress: StepProgress = no_progress) -> ModelResult:
     """eval/report.py's ``evaluate_model`` for a served model: ppl per text and accuracy per task (no size)."""
     import time
-    from dataclasses import asdict
 
     from compress.format.models import load_tokenizer, resolve
 
@@ -226,8 +226,8 @@ def evaluate_server(target: ServerTarget, texts: dict[str, list[str]], tasks: li
     seconds, detail = {"load": time.perf_counter() - start}, {}
     for text, t in texts.items():
         tick, stage = time.perf_counter(), f"served: ppl {text}"
-        detail[text] = asdict(served_perplexity(endpoint, tokenizer, t, seqlen, max_windows, batch_size,
-                                                target.concurrency, lambda d, n, s=stage: progress(s, d, n, "window")))
+        detail[text] = served_perplexity(endpoint, tokenizer, t, seqlen, max_windows, batch_size, target.concurrency,
+                                         lambda d, n, s=stage: progress(s, d, n, "window"))
         seconds[f"ppl {text}"] = time.perf_counter() - tick
     tick, accuracy = time.perf_counter(), {}
     if tasks:
@@ -238,6 +238,4 @@ def evaluate_server(target: ServerTarget, texts: dict[str, list[str]], tasks: li
     seconds["tasks"] = time.perf_counter() - tick
     from eval.report import average_accuracy
 
-    return {"model": name, "size_bytes": None, "size_label": "served", "tokenizer": spec,
-            "ppl": {k: v["ppl"] for k, v in detail.items()}, "ppl_detail": detail,
-            "accuracy": accuracy, "accuracy_avg": average_accuracy(accuracy), "seconds": seconds}
+    return ModelResult(name, None, "served", spec, detail, accuracy, average_accuracy(accuracy), seconds)

@@ -57,7 +57,7 @@ def run_quant(name: str, out: Path, qat_steps: int | None, overwrite: bool) -> d
     recipe, changes = QUANT_RUNS[name]
     cfg = load_recipe(recipe).replace(**changes, steps=qat_steps if recipe == "qat4" else None)
     res = quantize_to_folder(MODEL, cfg, str(out), overwrite=overwrite, recipe=recipe, train_progress=_train_bar(name))
-    return {"seconds": res.seconds, "out_bytes": res.out_bytes, **res.report.notes}
+    return {"seconds": res.seconds, "out_bytes": res.out_bytes, **res.report.notes.to_json()}
 
 
 def run_gqa(name: str, out: Path, uptrain_steps: int, lr: float, init: str, scope: str, fit_steps: int,
@@ -72,8 +72,8 @@ def run_gqa(name: str, out: Path, uptrain_steps: int, lr: float, init: str, scop
                                 progress=_train_bar(name), init=init, scope=scope, fit_steps=fit_steps,
                                 fit_lr=fit_lr, fit_progress=fit_progress)
     info = {"seconds": time.perf_counter() - t0, "init": init, "uptrain_lr": lr, "uptrain_scope": scope,
-            "kv_heads": [rep.kv_heads_before, rep.kv_heads_after],
-            "kv_bytes_per_token": [rep.kv_bytes_per_token_before, rep.kv_bytes_per_token_after]}
+            "kv_heads": [rep.kv.kv_heads_before, rep.kv.kv_heads_after],
+            "kv_bytes_per_token": [rep.kv.kv_bytes_per_token_before, rep.kv.kv_bytes_per_token_after]}
     if rep.fit is not None:
         info.update(fit_steps=fit_steps, fit_lr=fit_lr, fit_seconds=rep.fit.seconds,
                     fit_error=[rep.fit.mean_before, rep.fit.mean_after])
@@ -159,9 +159,9 @@ def main() -> None:
             continue
         spec = MODEL if name == "fp" else str(root / name)
         ev = evaluate_model(spec, texts, [], None, 512, args.max_windows)
-        results[name].update(ppl=ev["ppl"], eval_seconds=ev["seconds"])
+        results[name].update(ppl=ev.ppl, eval_seconds=ev.seconds)
         results_path.write_text(json.dumps(results, indent=2))
-        print(f"{name}: " + ", ".join(f"ppl {t} {v:.3f}" for t, v in ev["ppl"].items()), flush=True)
+        print(f"{name}: " + ", ".join(f"ppl {t} {v:.3f}" for t, v in ev.ppl.items()), flush=True)
     print(summarize(results))
     print(f"wrote {results_path}")
 

@@ -30,7 +30,8 @@ def test_quantize_evaluate_and_generate_through_the_api(tiny_dir, calib_text, tm
 
     result = compress.evaluate(str(out), baseline=str(tiny_dir), ppl=[str(calib_text)], seqlen=32, max_windows=2,
                                progress=None)
-    assert result["compressed"]["ppl"] and result["baseline"]["ppl"] and result["delta"] is not None
+    assert result.compressed.ppl and result.baseline.ppl and result.delta is not None
+    assert result["delta"] is result.delta  # the dict keys of old still read (README)
 
     llm = runtime.LLM(str(out), kv_cache_memory=1 << 22, dtype="float32", quant_kernel="dequant")
     params = runtime.SamplingParams(max_tokens=6, ignore_eos=True)

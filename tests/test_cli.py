@@ -22,10 +22,17 @@ def test_recipes_lists_each_with_a_description():
 def test_quantize_end_to_end_and_reload(tiny_dir, calib_text, tmp_path):
     out = tmp_path / "q"
     res = run("quantize", "--recipe", "gptq4", "--model", tiny_dir, "--calib", calib_text, "--nsamples", 4,
-              "--seqlen", 32, "--group-size", 32, "--out", out)
+              "--seqlen", 32, "--group-size", 32, "--out", out, "--json", tmp_path / "summary.json")
     assert res.exit_code == 0, res.output
     assert "smaller" in res.output and f"wrote {out}" in res.output
+    summary = json.loads((tmp_path / "summary.json").read_text())  # the keys scripts and the report read
+    assert list(summary) == ["out", "report", "fp_bytes", "out_bytes", "seconds", "peak_rss_bytes", "streamed",
+                             "memory", "recipe"]
+    assert list(summary["report"]) == ["method", "seconds", "layers", "notes"] and len(summary["report"]["layers"]) == 14
+    assert list(summary["report"]["layers"][0]) == ["layer", "name", "loss", "heldout_error", "rtn_heldout_error",
+                                                    "choice", "names"]
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["fallback"] == summary["report"]["notes"]["fallback"]
     assert qc["method"] == "gptq" and qc["bits"] == 4 and qc["group_size"] == 32
     assert qc["calibration"] == {"source": str(calib_text), "nsamples": 4, "seqlen": 32, "seed": 0}
     assert len(qc["modules"]) == 15  # 2 blocks x 7 linears, and gptq4's int8 head (tiny llama: untied)

@@ -6,6 +6,7 @@ same steps for one MoE expert (its up -> down pair).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from compress.methods.common.clip import clip_weight, full_range, grouped, searc
 from compress.methods.common.sampler import Sampler
 from compress.methods.common import gptq_solver
 from compress.methods.common.moe import ExpertResult, intermediate
+from compress.methods.common.report import LayerRecord, Record, SmoothRecord
 
 log = logging.getLogger(__name__)
 
@@ -256,9 +258,10 @@ class _Snapshot:
         sampler.samples.update(self.samples)
 
 
-def _smooth(block: nn.Module, sm: Smooth, linears: dict[str, nn.Linear], sampler: Sampler, cfg: QuantizeConfig,
-            bmap: BlockMap, hessians: dict[str, gptq_solver.Hessian] | None, judge: _Judge | None = None) -> dict | None:
-    """Search one group's scale and fold it in (the feeding op / s, the linears' columns * s, their sampled
+def _smooth(i: int, block: nn.Module, sm: Smooth, linears: dict[str, nn.Linear], sampler: Sampler, cfg: QuantizeConfig,
+            bmap: BlockMap, hessians: dict[str, gptq_solver.Hessian] | None,
+            judge: _Judge | None = None) -> SmoothRecord | None:
+    """Search block ``i``'s group's scale and fold it in (the feeding op / s, the linears' columns * s, their sampled
     inputs and Hessian likewise); None where the group does not apply to this block. With a ``judge``, the group's
     linears are clipped and rounded at once and the fold undone where plain RTN of the unscaled weights has the
     smaller output error on the held-out windows."""
@@ -281,16 +284,17 @@ def _smooth(block: nn.Module, sm: Smooth, linears: dict[str, nn.Linear], sampler
     if hessians is not None:  # the inputs are now x / s: H -> H / (s s^T), once per distinct Hessian
         for h in {id(hessians[n]): hessians[n] for n in sm.linears}.values():
             h.H.div_(torch.outer(s, s))
-    record = {"smooth": sm.prev, "ratio": res.ratio, "loss": res.loss, "rtn_loss": res.base_loss}
+    record = SmoothRecord(i, sm.prev, res.ratio, res.loss, res.base_loss)
     if judge is not None:
-        record.update(_judge_group(sm, mods, s, sampler, cfg, bmap, hessians, judge, snapshot))
+        record = _judge_group(record, sm, mods, s, sampler, cfg, bmap, hessians, judge, snapshot)
     return record
 
 
-def _judge_group(sm: Smooth, mods: list[nn.Module], s: Tensor, sampler: Sampler, cfg: QuantizeConfig, bmap: BlockMap,
-                 hessians: dict[str, gptq_solver.Hessian] | None, judge: _Judge, snapshot: _Snapshot) -> dict:
+def _judge_group(record: SmoothRecord, sm: Smooth, mods: list[nn.Module], s: Tensor, sampler: Sampler,
+                 cfg: QuantizeConfig, bmap: BlockMap, hessians: dict[str, gptq_solver.Hessian] | None, judge: _Judge,
+                 snapshot: _Snapshot) -> SmoothRecord:
     """The group's scaled, clipped, rounded weights (unscaled: ``/ s``) against RTN of its original weights on the
-    held-out windows; falls back (undoing the fold) where RTN's summed error is smaller."""
+    held-out windows; falls back (undoing the fold) where RTN's summed error is smaller. Returns ``record`` judged."""
     choices = []
     for n, m, w0 in zip(sm.linears, mods, snapshot.weights):
         judge.rounded[n] = round_weight(m.weight.data, sampler.x(n), None if hessians is None else hessians[n].H, cfg,
@@ -308,7 +312,8 @@ def _judge_group(sm: Smooth, mods: list[nn.Module], s: Tensor, sampler: Sampler,
             judge.rounded.pop(n)
     else:
         judge.rounded.pop(sm.prev, None)  # its rows were rescaled: rounded again at the end
-    return {**choice.record(), "clip": clip, "names": [f"{judge.prefix}{n}" for n in sm.linears]}
+    return dataclasses.replace(record, judged=choice.judgement(), clip=clip,
+                               names=[f"{judge.prefix}{n}" for n in sm.linears])
 
 
 def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeConfig) -> ExpertResult:
@@ -343,7 +348,7 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
 
 
 def _final_weight(name: str, lin: nn.Linear, sampler: Sampler, hessians: dict[str, gptq_solver.Hessian] | None,
-                  cfg: QuantizeConfig, bmap: BlockMap, judge: _Judge | None, records: list[dict], i: int
+                  cfg: QuantizeConfig, bmap: BlockMap, judge: _Judge | None, records: list[Record], i: int
                   ) -> Rounded:
     """One linear's last step: plain RTN where its group fell back, the weight rounded while judging its group, or
     clipped and rounded now (a linear in no group judged alone against RTN, a record appended to ``records``)."""
@@ -357,18 +362,19 @@ def _final_weight(name: str, lin: nn.Linear, sampler: Sampler, hessians: dict[st
         return res
     plain = quantize_weight(lin.weight.data, cfg.scheme)
     choice = fallback.compare(lin.weight.data, res.weight.dequantize(), plain.dequantize(), judge.held[name])
-    record = {"layer": i, "name": name, **choice.record(), "clip": res.clip, "names": [f"{judge.prefix}{name}"]}
-    records.append(record)
+    judged = choice.judgement()
+    records.append(LayerRecord(i, name, judged=judged, clip=res.clip, names=[f"{judge.prefix}{name}"]))
     log.info("%s%s: clip %.3f, held-out error awq (no scale) %.4g, rtn %.4g -> %s", judge.prefix, name, res.clip,
-             record["heldout_error"], record["rtn_heldout_error"], record["choice"])
+             judged.heldout_error, judged.rtn_heldout_error, judged.choice)
     return Rounded(plain, None) if choice.rtn else res
 
 
-def _log_group(i: int, record: dict) -> None:
-    if "choice" in record:
-        log.info("block %d %s -> %s: scale ratio %.2f, clip %.3f, held-out error awq %.4g, rtn %.4g -> %s", i,
-                 record["smooth"], ", ".join(record["names"]), record["ratio"], record["clip"], record["heldout_error"],
-                 record["rtn_heldout_error"], record["choice"])
+def _log_group(record: SmoothRecord) -> None:
+    judged = record.judged
+    if judged is not None:
+        log.info("block %d %s -> %s: scale ratio %.2f, clip %.3f, held-out error awq %.4g, rtn %.4g -> %s",
+                 record.layer, record.smooth, ", ".join(record.names), record.ratio, record.clip, judged.heldout_error,
+                 judged.rtn_heldout_error, judged.choice)
 
 
 def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
@@ -390,14 +396,14 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
         sampler = _observe(block, linears, bmap, observed, cfg.awq.search_tokens, cfg.seed + i, hessians,
                            None if tw is None else {n: tw.pop((i, n)) for n in linears})
         for sm in bmap.smooths:
-            record = _smooth(block, sm, linears, sampler, cfg, bmap, hessians, judge)
+            record = _smooth(i, block, sm, linears, sampler, cfg, bmap, hessians, judge)
             if record is not None:
-                run.report.layers.append({"layer": i, **record})
-                _log_group(i, record)
+                run.report.layers.append(record)
+                _log_group(record)
         for name, lin in linears.items():
             qw, loss, _ = _final_weight(name, lin, sampler, hessians, cfg, bmap, judge, run.report.layers, i)
             if loss is not None:
-                run.report.layers.append({"layer": i, "name": name, "loss": loss})
+                run.report.layers.append(LayerRecord(i, name, loss))
             swap_linear(block, name, lin, qw)
         if run.experts is not None:
             run.report.layers.extend(run.experts(i, block, inputs, partial(quantize_expert, cfg=cfg)))

@@ -17,6 +17,7 @@ from compress.methods.common import fallback, guided
 from compress.methods.common.gptq_solver import observe, quantize_weight
 from compress.methods.common.hessian import Hessian
 from compress.methods.common.moe import ExpertResult, intermediate
+from compress.methods.common.report import LayerRecord
 from compress.offload import empty_like
 
 log = logging.getLogger(__name__)
@@ -56,20 +57,21 @@ def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], h
         shared = any(other is h for other in hessians.values())  # q/k/v: the last of them takes it
         res = quantize_weight(lin.weight.data, h.H if shared or refit else h.release(), cfg.scheme, cfg.gptq,
                               cfg.weighted_range, keep_latent=keep)
-        record, weight = {"layer": i, "name": name, "loss": res.loss}, res.weight
+        record, weight = LayerRecord(i, name, res.loss), res.weight
         if held is not None:
             plain = quant.quantize_weight(lin.weight.data, cfg.scheme)
             choice = fallback.compare(lin.weight.data, res.weight.dequantize(), plain.dequantize(), held[name].H)
-            record.update(choice.record(), names=[f"{prefix}{name}"])
-            log.info("%s%s: held-out error gptq %.4g, rtn %.4g -> %s", prefix, name, record["heldout_error"],
-                     record["rtn_heldout_error"], "rtn" if choice.rtn else "gptq")
+            judged = choice.judgement()
+            record = LayerRecord(i, name, res.loss, judged, names=[f"{prefix}{name}"])
+            log.info("%s%s: held-out error gptq %.4g, rtn %.4g -> %s", prefix, name, judged.heldout_error,
+                     judged.rtn_heldout_error, "rtn" if choice.rtn else "gptq")
             if choice.rtn:  # under act-order the checkpoint's linears all carry a g_idx: RTN's is the natural one
                 weight = plain if res.weight.g_idx is None else dataclasses.replace(plain, g_idx=_natural(lin, cfg))
             elif refit:  # held-out tokens count as tokens without gradients do in guided GPTQ's Hessians
                 share = 1 - cfg.gptq.guided_mix if cfg.gptq.guided else 1.0
                 res = quantize_weight(lin.weight.data, pooled(h.H if shared else h.release(), h.n, held[name], share),
                                       cfg.scheme, cfg.gptq, cfg.weighted_range, keep_latent=keep)
-                weight, record["loss"] = res.weight, res.loss
+                weight, record = res.weight, dataclasses.replace(record, loss=res.loss)
         run.report.layers.append(record)
         if run.latents is not None:
             run.latents[lin] = res.latent

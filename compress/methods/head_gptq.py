@@ -22,6 +22,7 @@ from compress.config import GPTQOptions, QuantizeConfig
 from compress.format.quant import QuantizedWeight, Scheme, quantize_weight
 from compress.methods.common import fallback, gptq_solver
 from compress.methods.common.hessian import Hessian
+from compress.methods.common.report import HeadNote
 from compress.format.families import family
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,9 @@ class HeadResult:
     def method(self) -> str:
         return "rtn" if self.choice is not None and self.choice.rtn else "gptq"
 
-    def record(self) -> dict:
-        """What the report and the checkpoint's quantization_config carry."""
-        return {"method": self.method, "gptq_loss": self.loss, **(self.choice.record() if self.choice else {})}
+    def note(self, seconds: float = 0.0) -> HeadNote:
+        """What the report and the checkpoint's quantization_config carry (``seconds``: the pass's time)."""
+        return HeadNote(self.method, self.loss, self.choice.judgement() if self.choice else None, seconds)
 
 
 def quantize_head(w: Tensor, hessians: HeadHessians, scheme: Scheme, opts: GPTQOptions = GPTQOptions()) -> HeadResult:
@@ -122,6 +123,7 @@ def calibrate_head(model: nn.Module, cfg: QuantizeConfig, scheme: Scheme, batche
     w = model.get_output_embeddings().weight.data if weight is None else weight
     res = quantize_head(w, hs, scheme, cfg.gptq)
     if res.choice is not None:
-        log.info("lm_head: held-out error gptq %.4g, rtn %.4g -> %s", res.record()["heldout_error"],
-                 res.record()["rtn_heldout_error"], res.method)
+        judged = res.choice.judgement()
+        log.info("lm_head: held-out error gptq %.4g, rtn %.4g -> %s", judged.heldout_error, judged.rtn_heldout_error,
+                 res.method)
     return res

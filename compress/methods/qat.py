@@ -27,6 +27,7 @@ from compress.format.checkpoint import set_module
 from compress.format.qlinear import QuantLinear
 from compress.format.quant import MIN_SCALE, QuantizedWeight, Scheme, compute_qparams, group_index
 from compress.methods.common import selfdata
+from compress.methods.common.report import QATNote
 from compress.train import TrainConfig, TrainProgress, TrainResult, distill
 
 log = logging.getLogger(__name__)
@@ -321,7 +322,5 @@ def train(model: nn.Module, cfg: QuantizeConfig, batches: list[Tensor], teacher:
 def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     """QAT in place (:func:`train`), its losses in the report's notes."""
     res = train(model, cfg, run.batches, run.teacher, run.progress, run.train_progress, run.ptq)
-    run.report.notes["qat"] = {"init": res.init, "modules": res.modules, "steps": len(res.train.losses),
-                               "loss_first": res.train.first, "loss_last": res.train.last,
-                               "train_seconds": res.train.seconds,
-                               "self_data_seconds": res.self_data_seconds}
+    run.report.notes.qat = QATNote(res.init, res.modules, len(res.train.losses), res.train.first, res.train.last,
+                                   res.train.seconds, res.self_data_seconds)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from compress.config import KV_INITS, UPTRAIN_SCOPES
 from compress.format.families import AttnLayout, require
+from compress.methods.common.report import KVHeads
 from compress.train import TrainConfig, TrainProgress, TrainResult, distill
 from compress.transforms.gqa_fit import FitProgress, FitResult
 
@@ -134,10 +135,7 @@ def _merge_block(attn: nn.Module, layout: AttnLayout, sigma: Tensor, n_heads: in
 
 @dataclass
 class GQAReport:
-    kv_heads_before: int
-    kv_heads_after: int
-    kv_bytes_per_token_before: int  # fp16 KV cache
-    kv_bytes_per_token_after: int
+    kv: KVHeads
     fit: FitResult | None = None
     uptrain: TrainResult | None = None
 
@@ -192,7 +190,7 @@ def convert(model: nn.Module, kv_heads: int, init: str = "mean", batches: list[T
     config.num_key_value_heads = kv_heads
     log.info("KV heads %d -> %d (%s): KV cache %d -> %d bytes/token (fp16)", n_kv, kv_heads, init, before,
              kv_cache_bytes_per_token(config))
-    return GQAReport(n_kv, kv_heads, before, kv_cache_bytes_per_token(config))
+    return GQAReport(KVHeads(n_kv, kv_heads, before, kv_cache_bytes_per_token(config)))
 
 
 def uptrain(model: nn.Module, teacher: nn.Module, ids: Tensor, steps: int, lr: float, batch_size: int = 4,

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from compress.format.families import FAMILIES, BlockMap, Residual, require
+from compress.methods.common.report import RotateNote
 from compress.transforms.hadamard import random_hadamard
 
 log = logging.getLogger(__name__)
@@ -41,15 +42,6 @@ class Rotation:
     h: Tensor  # [head_dim, head_dim]
     head_dim: int
     norm_offset: float = 0.0  # Gemma's norms multiply by (offset + weight)
-
-
-@dataclass
-class RotateReport:
-    kind: str
-    hidden: int
-    head_dim: int
-    untied_head: bool  # the tied head had to become its own matrix
-    added_bytes: int  # parameter bytes the untied head adds
 
 
 # ---- pure tensor functions -------------------------------------------------------------------------------
@@ -184,7 +176,7 @@ def rotate_head(model: nn.Module, res: Residual, rot: Rotation) -> bool:
     return tied
 
 
-def rotate_model(model: nn.Module, kind: str = "hadamard", seed: int = 0) -> RotateReport:
+def rotate_model(model: nn.Module, kind: str = "hadamard", seed: int = 0) -> RotateNote:
     """Rotate ``model`` in place (checks first, then embeddings, every block, the head); its fp outputs are
     unchanged up to float rounding."""
     from compress.calibrate import decoder_layers
@@ -196,7 +188,7 @@ def rotate_model(model: nn.Module, kind: str = "hadamard", seed: int = 0) -> Rot
     for block in decoder_layers(model):
         rotate_block(block, res, rot)
     added = model.get_output_embeddings().weight.numel() * model.get_output_embeddings().weight.element_size()
-    report = RotateReport(kind, rot.q.shape[0], rot.head_dim, untied, added if untied else 0)
+    report = RotateNote(kind, rot.q.shape[0], rot.head_dim, untied, added if untied else 0)
     if untied:
         log.warning("rotate: the final norm's weight is not uniform, so the tied output head was untied "
                     "(+%.1f MiB of fp parameters)", report.added_bytes / 2**20)

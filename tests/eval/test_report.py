@@ -25,17 +25,17 @@ def folders(tmp_path_factory, smol_tokenizer, make_lm, rtn):
 def test_evaluate_baseline_vs_compressed(folders, text_file):
     fp, q4 = folders
     r = evaluate(str(q4), baseline_spec=str(fp), ppl_sources=[str(text_file)], tasks=["piqa"], limit=2, seqlen=64)
-    base, comp, delta = r["baseline"], r["compressed"], r["delta"]
+    base, comp, delta = r.baseline, r.compressed, r.delta
     src = str(text_file)
     for side, folder in ((base, fp), (comp, q4)):
-        assert side["size_bytes"] == (folder / "model.safetensors").stat().st_size
-        assert side["size_label"] == SIZE_ON_DISK
-        assert math.isfinite(side["ppl"][src]) and side["ppl_detail"][src]["windows"] >= 1
-        assert side["accuracy"]["piqa"]["samples"] == 2
-    assert comp["size_bytes"] < base["size_bytes"]
-    assert delta["ppl"][src] == pytest.approx(comp["ppl"][src] - base["ppl"][src])
-    acc = {side: r[side]["accuracy"]["piqa"]["acc"] for side in ("baseline", "compressed")}
-    assert delta["accuracy"]["piqa"]["acc"] == pytest.approx(acc["compressed"] - acc["baseline"])
+        assert side.size_bytes == (folder / "model.safetensors").stat().st_size
+        assert side.size_label == SIZE_ON_DISK
+        assert math.isfinite(side.ppl[src]) and side.ppl_detail[src].windows >= 1
+        assert side.accuracy["piqa"]["samples"] == 2
+    assert comp.size_bytes < base.size_bytes
+    assert delta.ppl[src] == pytest.approx(comp.ppl[src] - base.ppl[src])
+    assert delta.accuracy["piqa"]["acc"] == pytest.approx(comp.accuracy["piqa"]["acc"] - base.accuracy["piqa"]["acc"])
+    assert r["delta"]["ppl"] == delta.ppl and r["compressed"]["ppl_detail"][src]["windows"] >= 1  # the old keys
     table = format_table(r)
     for row in ("size", f"ppl {text_file.name}", "piqa acc_norm", "piqa acc", "avg accuracy"):
         assert row in table

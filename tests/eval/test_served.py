@@ -158,16 +158,15 @@ def test_compress_eval_server_matches_in_process(fp_dir, text_file, tmp_path):
 
 
 def test_table_names_the_served_column_and_has_no_size_for_it():
-    from eval.report import _delta, format_table
+    from eval.report import format_table
+    from eval.result import Delta, EvalResult, ModelResult, PplResult, Settings
 
     def side(size, label, ppl):
-        return {"model": label, "size_bytes": size, "size_label": label, "ppl": {"wiki": ppl}, "accuracy": {},
-                "accuracy_avg": None}
+        return ModelResult(label, size, label, None, {"wiki": PplResult(ppl, 3.0, 10, 1)}, {}, None, {})
 
     base, served = side(100 << 20, "weight files on disk", 20.0), side(None, "served", 20.1)
-    delta = _delta(base, served)
-    assert delta["size_ratio"] is None and delta["ppl"]["wiki"] == pytest.approx(0.1)
-    table = format_table({"baseline": base, "compressed": served, "delta": delta,
-                          "settings": {"seqlen": 512, "max_windows": 4, "limit": None}})
+    delta = Delta.between(base, served)
+    assert delta.size_ratio is None and delta.ppl["wiki"] == pytest.approx(0.1)
+    table = format_table(EvalResult(base, served, delta, Settings(512, 4, None)))
     head, _, model, size = table.splitlines()[:4]
     assert head.split() == ["baseline", "served", "delta"] and size.split()[-2:] == ["-", "-"]

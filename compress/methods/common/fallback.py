@@ -10,6 +10,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from compress.methods.common.report import FallbackNote, Judgement
+
 
 class Split(NamedTuple):
     """The calibration batches a method fits on, and the held-out ones that judge its result."""
@@ -50,9 +52,10 @@ class Choice:
         """RTN wins only when strictly better: a tie keeps the calibrated result."""
         return self.rtn_error < self.error
 
-    def record(self) -> dict:
-        return {"heldout_error": self.error / max(self.energy, 1e-30),
-                "rtn_heldout_error": self.rtn_error / max(self.energy, 1e-30), "choice": "rtn" if self.rtn else "kept"}
+    def judgement(self) -> Judgement:
+        """The errors relative to the fp output's, and the choice, as the report carries them."""
+        return Judgement(self.error / max(self.energy, 1e-30), self.rtn_error / max(self.energy, 1e-30),
+                         "rtn" if self.rtn else "kept")
 
 
 def compare(w: Tensor, calibrated: Tensor, rtn: Tensor, H: Tensor) -> Choice:
@@ -67,7 +70,7 @@ def combine(choices: list[Choice]) -> Choice:
     return Choice(sum(c.error for c in choices), sum(c.rtn_error for c in choices), sum(c.energy for c in choices))
 
 
-def summary(decisions: dict[str, str], held_windows: int) -> dict:
-    """What the checkpoint's quantization_config and the run's report carry: each judged layer's choice, counts."""
+def summary(decisions: dict[str, str], held_windows: int) -> FallbackNote:
+    """What the checkpoint's quantization_config and the run's report carry: the counts, the layers that kept RTN."""
     fell = {name: c for name, c in decisions.items() if c == "rtn"}
-    return {"heldout_windows": held_windows, "judged": len(decisions), "rtn": len(fell), "layers": fell}
+    return FallbackNote(held_windows, len(decisions), len(fell), fell)

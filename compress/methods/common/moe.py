@@ -21,6 +21,7 @@ from compress.format.checkpoint import moe_entries, set_module  # noqa: F401  (m
 from compress.format.families import FAMILIES, ExpertLayout, supported
 from compress.format.moe_packed import PackedLinears, PackedMoEExperts
 from compress.format.quant import QuantizedWeight, Scheme, quantize_weight
+from compress.methods.common.report import ExpertRecord
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +99,9 @@ class RoutedInputs:
 
 
 def quantize_experts(experts: nn.Module, layout: ExpertLayout, cfg, routed: RoutedInputs | None, where: str = "",
-                     expert: ExpertFn | None = None) -> tuple[PackedMoEExperts, list[dict]]:
-    """Quantize each expert of a fused experts module, by ``expert`` on its ``routed`` tokens (from its weights
-    alone without ``expert``); returns the packed module and one record per expert."""
+                     expert: ExpertFn | None = None, layer: int = 0) -> tuple[PackedMoEExperts, list[ExpertRecord]]:
+    """Quantize each expert of a fused experts module (of block ``layer``), by ``expert`` on its ``routed`` tokens
+    (from its weights alone without ``expert``); returns the packed module and one record per expert."""
     w_gu_all = getattr(experts, layout.gate_up).data
     w_dn_all = getattr(experts, layout.down).data
     n_experts = w_gu_all.shape[0]
@@ -120,9 +121,9 @@ def quantize_experts(experts: nn.Module, layout: ExpertLayout, cfg, routed: Rout
             res = quantize_expert_data_free(w_gu, w_dn, cfg.scheme)
         gate_ups.append(res.gate_up)
         downs.append(res.down)
-        records.append({"expert": e, "tokens": n, "fallback": e in fallback, **res.losses})
+        records.append(ExpertRecord(layer, e, n, e in fallback, res.losses))
     if fallback:
-        counts = {e: records[e]["tokens"] for e in fallback}
+        counts = {e: records[e].tokens for e in fallback}
         log.warning("%s: %d of %d experts got fewer than %d routed calibration tokens %s; they are RTN-quantized "
                     "(more calibration data, or a lower moe_min_tokens, calibrates them)", where or "experts",
                     len(fallback), n_experts, need, counts)
@@ -143,7 +144,7 @@ def experts_of(block: nn.Module, layout: ExpertLayout) -> nn.Module | None:
 
 
 def quantize_block_experts(i: int, block: nn.Module, layout: ExpertLayout, cfg, inputs: BlockInputs | None = None,
-                           expert: ExpertFn | None = None, prefix: str = "") -> list[dict]:
+                           expert: ExpertFn | None = None, prefix: str = "") -> list[ExpertRecord]:
     """Quantize and pack the experts of decoder block ``i`` (full name ``prefix``): by ``expert`` on the tokens
     routed to each when ``inputs`` are run through the block, or from their weights alone. Experts that
     ``cfg.ignore`` names stay in fp."""
@@ -158,9 +159,9 @@ def quantize_block_experts(i: int, block: nn.Module, layout: ExpertLayout, cfg, 
             inputs.forward(block)
         finally:
             handle.remove()
-    packed, records = quantize_experts(experts, layout, cfg, routed, f"layer {i}", expert)
+    packed, records = quantize_experts(experts, layout, cfg, routed, f"layer {i}", expert, i)
     set_module(block, layout.experts, packed)
-    return [{"layer": i, **r} for r in records]
+    return records
 
 
 @dataclass(frozen=True)
@@ -173,5 +174,5 @@ class BlockExperts:
     prefix: str  # the decoder blocks' full name, e.g. "model.layers"
 
     def __call__(self, i: int, block: nn.Module, inputs: BlockInputs | None = None,
-                 expert: ExpertFn | None = None) -> list[dict]:
+                 expert: ExpertFn | None = None) -> list[ExpertRecord]:
         return quantize_block_experts(i, block, self.layout, self.cfg, inputs, expert, f"{self.prefix}.{i}.")

@@ -146,6 +146,6 @@ def test_compress_eval_measures_the_onnx_artifact_beside_torch(exported, tmp_pat
     text = tmp_path / "t.txt"
     text.write_text("\n\n".join(f"paragraph {i}: " + "some plain words to score " * 20 for i in range(12)))
     res = evaluate(str(out), baseline_spec=str(src), ppl_sources=[str(text)], seqlen=64, max_windows=4)
-    ours, theirs = res["baseline"]["ppl"][str(text)], res["compressed"]["ppl"][str(text)]
+    ours, theirs = res.baseline.ppl[str(text)], res.compressed.ppl[str(text)]
     assert abs(theirs - ours) / ours < 1e-3
-    assert res["compressed"]["size_bytes"] > 0
+    assert res.compressed.size_bytes > 0

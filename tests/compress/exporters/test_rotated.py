@@ -35,7 +35,7 @@ def rotated(tmp_path_factory):
     root = tmp_path_factory.mktemp("rotated")
     qcfg = QuantizeConfig(method="rtn", bits=4, group_size=32, sym=True, rotate="hadamard")
     report = quantize_model(model, qcfg)
-    assert report.notes["rotate"]["untied_head"]
+    assert report.notes.rotate.untied_head
     save_quantized(model, tokenizer, root / "q", build_quantization_config(model, "rtn", qcfg.scheme))
     return root / "q"
 

@@ -66,7 +66,7 @@ def test_the_held_out_windows_pick_rtn_where_it_is_better():
     gptq_err = output_error(w - quantize_head(w, HeadHessians(fit.H, None), scheme).weight.dequantize(), held.H)
     rtn_err = output_error(w - rtn_weight(w, scheme).dequantize(), held.H)
     assert res.method == ("rtn" if rtn_err < gptq_err else "gptq")
-    assert res.record()["choice"] == ("rtn" if res.method == "rtn" else "kept")
+    assert res.note().judged.choice == ("rtn" if res.method == "rtn" else "kept")
     same = quantize_head(w, HeadHessians(fit.H, fit.H), scheme)  # judged on its own windows GPTQ wins
     assert same.method == "gptq"
 

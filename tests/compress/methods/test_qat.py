@@ -168,7 +168,7 @@ def test_qat_lowers_the_loss_and_reloads_identically(tmp_path):
                          train_dtype="float32")
     report = quantize_model(model, cfg, _batches(n=16), train_progress=lambda *a: seen.append(a))
     assert [s[:2] for s in seen] == [(i, 25) for i in range(1, 26)] and all(s[2] >= 0 for s in seen)
-    assert report.notes["qat"]["modules"] == 14
+    assert report.notes.qat.modules == 14
     assert evaluate_kl(model, base, held) < 0.8 * evaluate_kl(rtn, base, held)
     assert not any(isinstance(m, qat.FakeQuantLinear) for m in model.modules())
     qc = build_quantization_config(model, cfg.method, cfg.scheme)

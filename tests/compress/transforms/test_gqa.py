@@ -164,9 +164,9 @@ def test_conversion_saves_and_loads_in_transformers(family, heads, kv, new, init
     before = gqa.kv_cache_bytes_per_token(model.config)
     rep = gqa.convert(model, new, init, _batches())
     hd = gqa.head_dim(model.config)
-    assert (rep.kv_heads_before, rep.kv_heads_after) == (kv, new)
-    assert rep.kv_bytes_per_token_before == before == 2 * 2 * kv * hd * 2
-    assert rep.kv_bytes_per_token_after == 2 * 2 * new * hd * 2
+    assert (rep.kv.kv_heads_before, rep.kv.kv_heads_after) == (kv, new)
+    assert rep.kv.kv_bytes_per_token_before == before == 2 * 2 * kv * hd * 2
+    assert rep.kv.kv_bytes_per_token_after == 2 * 2 * new * hd * 2
     for layer in model.model.layers:
         assert layer.self_attn.k_proj.out_features == layer.self_attn.v_proj.out_features == new * hd
         assert layer.self_attn.num_key_value_groups == heads // new
@@ -274,9 +274,9 @@ def test_conversion_composes_with_quantization(method, tmp_path):
     model = _model("qwen2", 8, 4)
     cfg = QuantizeConfig(method=method, bits=4, group_size=32, kv_heads=2, uptrain_steps=3, train_dtype="float32")
     report = quantize_model(model, cfg, _batches())
-    notes = report.notes["gqa"]
-    assert (notes["kv_heads_before"], notes["kv_heads_after"]) == (4, 2)
-    assert notes["kv_bytes_per_token_after"] * 2 == notes["kv_bytes_per_token_before"]
+    kv = report.notes.gqa.kv
+    assert (kv.kv_heads_before, kv.kv_heads_after) == (4, 2)
+    assert kv.kv_bytes_per_token_after * 2 == kv.kv_bytes_per_token_before
     k = model.model.layers[0].self_attn.k_proj
     assert isinstance(k, QuantLinear) and k.out_features == 2 * gqa.head_dim(model.config)
     save_quantized(model, None, tmp_path / "q", build_quantization_config(model, method, cfg.scheme))

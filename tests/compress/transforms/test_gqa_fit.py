@@ -83,9 +83,9 @@ def test_pipeline_fits_then_uptrains_and_reports_both():
     model = _model("llama", 8, 4)
     cfg = QuantizeConfig(method="rtn", bits=8, group_size=32, kv_heads=1, kv_fit_steps=10, uptrain_steps=2,
                          uptrain_scope="attn", train_dtype="float32")
-    notes = quantize_model(model, cfg, _batches()).notes["gqa"]
-    assert notes["fit_error_after"] < notes["fit_error_before"]
-    assert notes["fit_seconds"] > 0 and "uptrain_loss_first" in notes
+    note = quantize_model(model, cfg, _batches()).notes.gqa
+    assert note.fit.fit_error_after < note.fit.fit_error_before
+    assert note.fit.fit_seconds > 0 and note.uptrain is not None
     with pytest.raises(ValueError, match="calibration text"):
         gqa.convert_and_uptrain(_model("llama", 8, 4), 1, None, fit_steps=5, init="mean")
 

@@ -104,7 +104,7 @@ def test_recipes_end_to_end_on_a_tiny_model(recipe, tmp_path):
     base = tiny_model("gemma")  # Gemma: the 1 + w norms and a tied head that the rotation unties
     model = copy.deepcopy(base)
     report = quantize_model(model, cfg, _batches())
-    assert report.notes["rotate"]["kind"] == "hadamard" and report.notes["rotate"]["untied_head"]
+    assert report.notes.rotate.kind == "hadamard" and report.notes.rotate.untied_head
     ids = _ids()
     ref, out = _logits(base, ids), _logits(model, ids)
     assert (out - ref).norm() / ref.norm() < 0.5

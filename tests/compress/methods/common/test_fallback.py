@@ -15,6 +15,7 @@ from compress.format import quant
 from compress.format.quant import Scheme
 from compress.methods.common import fallback
 from compress.methods.common import gptq_solver
+from compress.methods.common.report import Judgement, SmoothRecord
 from compress.pipeline import quantize_model
 
 SCHEME = Scheme(bits=4, group_size=32, sym=False)
@@ -40,7 +41,7 @@ def test_a_tie_keeps_the_calibrated_result_and_a_group_sums():
     assert fallback.Choice(1.0, 0.9, 10.0).rtn
     group = fallback.combine([fallback.Choice(1.0, 0.5, 4.0), fallback.Choice(1.0, 2.0, 6.0)])
     assert (group.error, group.rtn_error, group.energy, group.rtn) == (2.0, 2.5, 10.0, False)
-    assert fallback.Choice(2.0, 1.0, 10.0).record() == {"heldout_error": 0.2, "rtn_heldout_error": 0.1, "choice": "rtn"}
+    assert fallback.Choice(2.0, 1.0, 10.0).judgement() == Judgement(0.2, 0.1, "rtn")
 
 
 def test_output_error_is_the_squared_output_error():
@@ -110,14 +111,14 @@ METHODS = {"gptq": {"method": "gptq"}, "gptq-act-order": {"method": "gptq", "act
 def test_misleading_calibration_falls_back_to_rtn_and_records_it(method):
     model, batches = _model(misled=True)
     report = quantize_model(model, QuantizeConfig.from_flat(**CFG, **METHODS[method]), batches)
-    notes = report.notes["fallback"]
-    assert notes["heldout_windows"] == 1 and notes["judged"] == 7
+    note = report.notes.fallback
+    assert note.heldout_windows == 1 and note.judged == 7
     qkv = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
-    assert all(notes["layers"].get(n) == "rtn" for n in qkv), notes  # they read the embeddings' subspace
-    assert notes["rtn"] == len(notes["layers"])
-    judged = [r for r in report.layers if "choice" in r]
-    assert all(r["rtn_heldout_error"] < r["heldout_error"] for r in judged if r["choice"] == "rtn")
-    assert all(r["rtn_heldout_error"] >= r["heldout_error"] for r in judged if r["choice"] == "kept")
+    assert all(note.layers.get(n) == "rtn" for n in qkv), note  # they read the embeddings' subspace
+    assert note.rtn == len(note.layers)
+    judged = [r.judged for r in report.layers if r.judged is not None]
+    assert all(j.rtn_heldout_error < j.heldout_error for j in judged if j.choice == "rtn")
+    assert all(j.rtn_heldout_error >= j.heldout_error for j in judged if j.choice == "kept")
     act_order = METHODS[method].get("act_order", False)  # every linear carries a g_idx, or none does
     assert all((m.g_idx is not None) == act_order for m in model.modules() if hasattr(m, "g_idx"))
 
@@ -126,7 +127,7 @@ def test_awq_groups_that_fall_back_are_rtn_of_the_unscaled_weights():
     model, batches = _model(misled=True)
     fp = copy.deepcopy(model)
     report = quantize_model(model, QuantizeConfig.from_flat(**CFG, method="awq"), batches)
-    assert report.notes["fallback"]["rtn"] == 7  # every group: the block is RTN's, its norms untouched
+    assert report.notes.fallback.rtn == 7  # every group: the block is RTN's, its norms untouched
     block, fp_block = model.model.layers[0], fp.model.layers[0]
     for name in ("input_layernorm", "post_attention_layernorm"):
         assert torch.equal(block.get_submodule(name).weight, fp_block.get_submodule(name).weight)
@@ -141,19 +142,19 @@ def test_the_calibrated_result_is_kept_where_it_holds_on_held_out_windows(method
     model, batches = _model(misled=False)
     with caplog.at_level(logging.INFO, logger="compress"):
         report = quantize_model(model, QuantizeConfig.from_flat(**CFG, **METHODS[method]), batches)
-    assert report.notes["fallback"]["rtn"] == 0
+    assert report.notes.fallback.rtn == 0
     logged = sum("held-out error" in r.getMessage() for r in caplog.records)  # what -v prints
     assert logged == (4 if "awq" in method else 7)  # AWQ: 3 groups and o_proj alone (GQA); GPTQ: each linear
-    groups = {r["smooth"]: r for r in report.layers if "smooth" in r}
+    groups = {r.smooth: r for r in report.layers if isinstance(r, SmoothRecord)}
     if groups:  # AWQ's scales are kept, not only its no-scale point; the clipped ranges' share is recorded
-        assert groups["input_layernorm"]["choice"] == "kept" and groups["input_layernorm"]["ratio"] > 0
-        assert all(0.5 <= g["clip"] <= 1 for g in groups.values())
+        assert groups["input_layernorm"].judged.choice == "kept" and groups["input_layernorm"].ratio > 0
+        assert all(0.5 <= g.clip <= 1 for g in groups.values())
 
 
 def test_without_fallback_every_window_fits_and_nothing_is_judged():
     model, batches = _model(misled=True)
     report = quantize_model(model, QuantizeConfig.from_flat(**CFG, method="gptq", fallback=False), batches)
-    assert "fallback" not in report.notes and not any("choice" in r for r in report.layers)
+    assert report.notes.fallback is None and not any(r.judged for r in report.layers)
 
 
 @pytest.mark.parametrize("value", [0.0, 1.0, -0.1])
@@ -171,7 +172,7 @@ def test_the_checkpoint_and_the_summary_carry_the_choices(tmp_path, tiny_dir, ca
     cfg = QuantizeConfig.from_flat(**CFG, method="gptq", calib=str(calib_text), nsamples=8, seqlen=32, batch_size=4)
     res = quantize_to_folder(str(tiny_dir), cfg, str(tmp_path / "q"), stream=stream)
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert qc["fallback"] == res.report.notes["fallback"] and qc["fallback"]["judged"] == 14  # 2 blocks x 7
+    assert qc["fallback"] == res.report.notes.fallback.to_json() and qc["fallback"]["judged"] == 14  # 2 blocks x 7
     assert qc["fallback"]["heldout_windows"] == 1 and qc["config"]["fallback"] and qc["config"]["holdout"] == 0.125
     assert set(qc["fallback"]["layers"]) <= set(qc["modules"])
     line = next(x for x in res.lines() if x.startswith("fallback:"))
@@ -187,7 +188,7 @@ def test_refit_solves_the_kept_layers_again_on_every_window():
     refit, whole = copy.deepcopy(model), copy.deepcopy(model)
     report = quantize_model(refit, cfg.replace(refit=True), batches)
     quantize_model(whole, cfg.replace(fallback=False), batches)
-    assert report.notes["fallback"]["judged"] == 7 and report.notes["fallback"]["rtn"] == 0
+    assert report.notes.fallback.judged == 7 and report.notes.fallback.rtn == 0
     for (name, a), b in zip(refit.named_modules(), whole.modules()):
         if hasattr(a, "g_idx"):
             torch.testing.assert_close(a.dequantized_weight(), b.dequantized_weight(), rtol=0, atol=1e-6, msg=name)

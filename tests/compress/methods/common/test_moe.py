@@ -14,6 +14,7 @@ from compress.format.moe_packed import PackedLinears, PackedMoEExperts, packed_m
 from compress.format.qlinear import QuantLinear
 from compress.format.quant import Scheme
 from compress.methods.common import moe
+from compress.methods.common.report import ExpertRecord
 from compress.pipeline import quantize_model
 
 E = NUM_EXPERTS
@@ -120,10 +121,10 @@ def test_moe_families_quantize_pack_and_reload(family, method, tmp_path):
         assert isinstance(layer.mlp.experts, PackedMoEExperts)
         assert isinstance(layer.mlp.gate.weight, torch.nn.Parameter)  # the router stays fp
         assert isinstance(layer.self_attn.q_proj, QuantLinear)
-    expert_records = [r for r in report.layers if "expert" in r]
+    expert_records = [r for r in report.layers if isinstance(r, ExpertRecord)]
     assert len(expert_records) == 2 * E
     if method != "rtn":
-        assert all(r["tokens"] >= 8 and not r["fallback"] for r in expert_records)
+        assert all(r.tokens >= 8 and not r.fallback for r in expert_records)
     ids = _batches(seed=3)[0]
     with torch.no_grad():
         ref, out = base(ids).logits, model(ids).logits
@@ -182,8 +183,8 @@ def test_dead_expert_falls_back_to_rtn_with_a_warning(caplog):
     assert packed.rtn_fallback == [0]
     w_gu = base.model.layers[0].mlp.experts.gate_up_proj.data[0]
     assert torch.equal(packed.gate_up_proj.quantized_weight(0).q, quant.quantize_weight(w_gu, cfg.scheme).q)
-    rec = [r for r in report.layers if r.get("expert") == 0 and r["layer"] == 0][0]
-    assert rec["fallback"] and rec["tokens"] == 0
+    rec = [r for r in report.layers if isinstance(r, ExpertRecord) and r.expert == 0 and r.layer == 0][0]
+    assert rec.fallback and rec.tokens == 0
     for e in range(E):
         assert torch.isfinite(packed.gate_up_proj.expert_weight(e)).all()
         assert torch.isfinite(packed.down_proj.expert_weight(e)).all()
