@@ -26,6 +26,7 @@ from compress.methods.common import fallback, guided
 from compress.methods.common.clip import clip_weight, full_range, grouped, search_clip
 from compress.methods.common.sampler import Sampler
 from compress.methods.common import gptq_solver
+from compress.methods.common.grid import grid_order
 from compress.methods.common.moe import ExpertResult, intermediate
 from compress.methods.common.report import LayerRecord, Record, SmoothRecord
 
@@ -70,38 +71,13 @@ def linear_error(x: Tensor, weights: list[Tensor], dtype: torch.dtype | None = N
     return lambda ws: sum((xd @ (w - w0).to(dt).T).float().pow(2).sum().item() for w, w0 in zip(ws, base)) / (n * out)
 
 
-def grid_order(grid: int, coarse: int = 0) -> Callable[[Callable[[int], float]], int]:
-    """How a search visits the grid points ``0..grid-1``: every one (``coarse`` 0), or every ``coarse``-th, then the
-    neighbours of the best so far at half the step (rounded up), down to 1 (20 points: 5 + 2 + 2 = 9 visits). On a loss that is
-    unimodal over the grid both find the same point. Returns ``search(loss_of_point) -> best point``."""
-    def search(loss: Callable[[int], float]) -> int:
-        seen: dict[int, float] = {}
-
-        def visit(k: int) -> None:
-            if 0 <= k < grid and k not in seen:
-                seen[k] = loss(k)
-        if not coarse:
-            for k in range(grid):
-                visit(k)
-            return min(seen, key=lambda k: (seen[k], k))
-        for k in range(0, grid, coarse):
-            visit(k)
-        step = coarse
-        while step > 1:
-            step = (step + 1) // 2  # the minimum lies within (best - step, best + step)
-            best = min(seen, key=lambda k: (seen[k], k))
-            visit(best - step)
-            visit(best + step)
-        return min(seen, key=lambda k: (seen[k], k))
-    return search
-
-
 @torch.inference_mode()
 def search_scale(x_mean: Tensor, weights: list[Tensor], scheme: Scheme, error: Callable[[list[Tensor]], float],
                  grid: int = 20, duo: bool = True, coarse: int = 0) -> ScaleResult:
     """Grid over r = k / grid in [0, 1) of ``s = x_mean ** r`` (with ``duo``: ``x_mean ** r / w_mean ** (1 - r)``, as
     AutoAWQ and llm-compressor do), minimising the output ``error`` of the fake-quantized scaled weights
-    (:func:`linear_error`, :func:`output_error`), every point or coarse to fine (:func:`grid_order`). r = 0 without
+    (:func:`linear_error`, :func:`output_error`), every point or coarse to fine
+    (compress/methods/common/grid.py). r = 0 without
     duo is plain RTN, always a candidate."""
     x_mean = x_mean.float().clamp(min=1e-4)
     w_mean = weight_mean(weights, scheme).clamp(min=1e-4) if duo else None

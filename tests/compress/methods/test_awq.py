@@ -31,22 +31,3 @@ def test_linear_error_is_the_mse_of_the_concatenated_outputs(rows):
     cand = [w + 0.01 * torch.randn(w.shape, generator=g) for w in ws]
     want = torch.nn.functional.mse_loss(torch.cat([x @ w.T for w in cand], -1), torch.cat([x @ w.T for w in ws], -1))
     assert awq.linear_error(x, ws)(cand) == pytest.approx(want.item(), rel=1e-4)
-
-
-@pytest.mark.parametrize("grid,coarse", [(20, 4), (20, 5), (10, 3), (7, 2)])
-def test_coarse_to_fine_finds_the_grids_minimum_on_a_unimodal_loss_in_fewer_visits(grid, coarse):
-    for best in range(grid):
-        visits = []
-
-        def loss(k, best=best):
-            visits.append(k)
-            return (k - best) ** 2 + 0.1 * k  # unimodal, ties broken toward the smaller k
-        want = min(range(grid), key=lambda k: ((k - best) ** 2 + 0.1 * k, k))
-        assert awq.grid_order(grid, coarse)(loss) == want
-        assert len(visits) == len(set(visits)) < grid
-
-
-def test_every_point_is_the_full_grid_and_ties_go_to_the_smaller_ratio():
-    visits = []
-    assert awq.grid_order(6)(lambda k: visits.append(k) or abs(k - 2.5)) == 2
-    assert visits == list(range(6))
