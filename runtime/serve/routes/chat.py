@@ -41,7 +41,14 @@ def tool_guide(req: ChatCompletionRequest, fmt: ToolFormat) -> tuple[GuideSpec, 
     if req.named_tool is not None and req.named_tool not in names:
         raise APIError(400, f"tool_choice names function {req.named_tool!r}, which is not among the tools {names}; "
                        "name one of them", param="tool_choice")
-    return tool_calls.guide_spec(req.tool_dicts(), fmt, req.named_tool), "tool_choice"
+    return tool_calls.guide_spec(req.tool_dicts(), fmt, req.named_tool, req.parallel_tool_calls), "tool_choice"
+
+
+def skips_special(engine, req: ChatCompletionRequest, fmt: ToolFormat) -> bool:
+    """False where the tool-call marker is one of the tokenizer's special tokens (Mistral's ``[TOOL_CALLS]``): the
+    text must keep it for the calls to be found."""
+    marker = fmt.begin.strip()
+    return not (req.tools_active and marker and marker in getattr(engine.tokenizer, "all_special_tokens", ()))
 
 
 async def chat_guide(runner: RequestRunner, req: ChatCompletionRequest, fmt: ToolFormat):
@@ -124,7 +131,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     check_logprobs(req.top_logprobs, "top_logprobs")
     top = (req.top_logprobs or 0) if req.logprobs else None
     guide = await chat_guide(runner, req, fmt)
-    params = sampling_params(req, max_tokens, engine.runner.vocab_size, logprobs=top, guide=guide)
+    params = sampling_params(req, max_tokens, engine.runner.vocab_size, logprobs=top, guide=guide,
+                             skip_special_tokens=skips_special(engine, req, fmt))
     sub = runner.submit([ids], params, req.n, new_id("chatcmpl"), "messages")
     shape = _ChatShape(engine, req, sub, model, fmt, top)
     if req.stream and req.tools_active:
