@@ -82,22 +82,61 @@ def _call(obj, fmt: ToolFormat) -> dict | None:
             "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
 
 
+def _array_items(text: str, i: int) -> tuple[list, int]:
+    """The JSON values of the array starting at ``text[i]`` that a "," or "]" has closed (a lone object: itself),
+    and the index just past the array (-1 while it is open or broken)."""
+    dec, items = json.JSONDecoder(), []
+    if text.startswith("{", i):
+        try:
+            value, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return [], -1
+        return [value], end
+    if not text.startswith("[", i):
+        return [], -1
+    i += 1
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        try:
+            value, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return items, -1
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text) or text[i] not in ",]":
+            return items, -1
+        items.append(value)
+        if text[i] == "]":
+            return items, i + 1
+        i += 1
+
+
 def _parse_array(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
-    """The calls of the JSON array after the first ``begin`` marker; the text around it is content."""
+    """The calls of the JSON array after the first ``begin`` marker (those a "," or "]" closed, so an array cut
+    short keeps its whole calls); the text before the marker and after the array is content."""
     marker = fmt.begin.strip()
     at = text.find(marker)
     if at < 0:
         return text, []
-    rest = text[at + len(marker):].lstrip()
-    try:
-        value, end = json.JSONDecoder().raw_decode(rest)
-    except json.JSONDecodeError:
-        return text, []
-    calls = [_call(obj, fmt) for obj in (value if isinstance(value, list) else [value])]
+    start = at + len(marker)
+    start += len(text[start:]) - len(text[start:].lstrip())
+    items, end = _array_items(text, start)
+    calls = [_call(obj, fmt) for obj in items]
     if not calls or not all(calls):
         return text, []
-    content = (text[:at] + rest[end:]).strip()
+    content = (text[:at] + (text[end:] if end >= 0 else "")).strip()
     return content or None, calls
+
+
+def closed_calls(text: str, fmt: ToolFormat) -> list[dict]:
+    """The calls an unfinished output has closed so far, each as ``parse`` of the finished output will find it: in
+    an array, the calls a "," or "]" followed; tagged calls up to the last end tag; bare JSON only when finished."""
+    if fmt.array:
+        return _parse_array(text, fmt)[1]
+    end = fmt.end.strip()
+    cut = text.rfind(end) if end else -1
+    return parse(text[:cut + len(end)], fmt)[1] if cut >= 0 else []
 
 
 def parse(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:

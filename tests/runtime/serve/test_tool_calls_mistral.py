@@ -13,7 +13,7 @@ from live_server import Served, char_tokenizer  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.serve.tool_calls import FORMATS, ToolFormat, guide_spec, parse  # noqa: E402
-from test_tool_calls import TIME, WEATHER, check_call  # noqa: E402
+from test_tool_calls import TIME, WEATHER, calls_of, check_call, streamed_and_whole  # noqa: E402
 
 MISTRAL = FORMATS["mistral"]
 MISTRAL_SPECIALS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
@@ -128,3 +128,11 @@ def test_mistral_calls_through_the_client(mistral_served, choice, parallel):
         {"role": "tool", "tool_call_id": t.id, "content": "sunny"} for t in ch.message.tool_calls]
     r = c.chat.completions.create(model="tiny", messages=history, tools=[WEATHER, TIME], max_tokens=4)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_mistral_streamed_calls_equal_the_unstreamed(mistral_served):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "w"}], tools=[WEATHER, TIME], tool_choice="required",
+              max_tokens=200, seed=3, temperature=1.0)
+    streamed, whole, _ = streamed_and_whole(mistral_served.client(), **kw)
+    assert calls_of(streamed) == calls_of(whole) and calls_of(whole)
+    assert streamed.finish_reason == whole.finish_reason == "tool_calls" and not streamed.message.content
