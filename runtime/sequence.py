@@ -99,9 +99,9 @@ class SamplingParams:
 
     @property
     def plain_only(self) -> bool:
-        """Needs every token verified alone (penalties, bias, logprobs, a grammar): no speculative drafts."""
-        return bool(self.penalized or self.logit_bias or self.logprobs is not None or self.prompt_logprobs is not None
-                    or self.guide is not None)
+        """Needs every token verified alone (penalties, bias, logprobs): no speculative drafts. A grammar's drafts
+        are checked against it (runtime/guided.py)."""
+        return bool(self.penalized or self.logit_bias or self.logprobs is not None or self.prompt_logprobs is not None)
 
 
 class SequenceStatus(enum.Enum):
