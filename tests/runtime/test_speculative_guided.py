@@ -44,7 +44,8 @@ def engine_of(target, **kw):
 
 
 def schema_guide(engine):
-    return Guides(engine.tokenizer, engine.runner.vocab_size, engine.eos_token_ids).compile(GuideSpec.json_schema(SCHEMA))
+    guides = Guides(engine.tokenizer, engine.runner.vocab_size, engine.eos_token_ids)
+    return guides.compile(GuideSpec.json_schema(SCHEMA))
 
 
 def guided_run(engine, checks_state: bool = False) -> list[list[int]]:

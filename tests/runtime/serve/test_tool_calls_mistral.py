@@ -23,8 +23,8 @@ MISTRAL_SPECIALS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[
 # and its refusal of ids that are not 9 characters
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
-    "{% if m.role == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS] {{ tools | map(attribute='function.name') | join(' ') }}"
-    "[/AVAILABLE_TOOLS]"
+    "{% if m.role == 'user' %}{% if tools and loop.last %}"
+    "[AVAILABLE_TOOLS] {{ tools | map(attribute='function.name') | join(' ') }}[/AVAILABLE_TOOLS]"
     "{% endif %}[INST] {{ m.content }}[/INST]"
     "{% elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}"
     "{% if c.id is not string or c.id | length != 9 %}"
