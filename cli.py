@@ -255,7 +255,10 @@ def eval_cmd(model_spec, baseline, server, tokenizer, api_key, served_model, con
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Report folder (its cache is reused).")
 @click.option("--recipes", default="fp32,int8,nf4,rtn4,gptq4,awq4,awq-gptq4", show_default=True,
               help="Comma-separated recipes applied to MODEL; fp32 is MODEL itself. Empty: none.")
-@click.option("--variants", default="", help="Comma-separated existing folders or files: checkpoint, ONNX export, .gguf.")
+@click.option("--variants", default="", help="Comma-separated existing folders or files (checkpoint, ONNX export, "
+              ".gguf) or URLs of running OpenAI-compatible servers, scored as `compress eval --server` does.")
+@click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="The key of the --variants servers (or set "
+              "OPENAI_API_KEY); never written to the report.")
 @click.option("--exports", default="", help="Comma-separated FORMAT:RECIPE exports to measure, e.g. onnx-int4:rtn4,gguf:gptq4.")
 @click.option("--ppl", default="wiki", show_default=True, help="Comma-separated texts; the first one ranks the variants.")
 @click.option("--seqlen", type=int, default=512, show_default=True, help="Tokens per perplexity window.")
@@ -276,9 +279,9 @@ def eval_cmd(model_spec, baseline, server, tokenizer, api_key, served_model, con
 @click.option("--fp-tables", is_flag=True, help="Beside each recipe that quantizes the embedding/LM head, the same "
               "recipe with them full width (RECIPE-fp-tables: embed/head none): what the tables cost and save.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars on stderr.")
-def report_cmd(model_spec, out, recipes, variants, exports, ppl, seqlen, max_windows, tasks, limit, batch_size,
-               concurrency, prompt_len, output_len, no_speed, nsamples, calib_seqlen, max_size, max_ppl_increase,
-               fp_tables, quiet):
+def report_cmd(model_spec, out, recipes, variants, api_key, exports, ppl, seqlen, max_windows, tasks, limit,
+               batch_size, concurrency, prompt_len, output_len, no_speed, nsamples, calib_seqlen, max_size,
+               max_ppl_increase, fp_tables, quiet):
     """Quality vs size vs speed of every variant of MODEL: report.md/.json/.html and plots in --out."""
     import shlex
 
@@ -291,11 +294,12 @@ def report_cmd(model_spec, out, recipes, variants, exports, ppl, seqlen, max_win
                        tasks=tuple(_csv(tasks)), limit=limit, batch_size=batch_size, speed=not no_speed,
                        concurrency=concurrency, prompt_len=prompt_len, output_len=output_len, calib_nsamples=nsamples,
                        calib_seqlen=calib_seqlen, max_size=parse_size(max_size) if max_size else None,
-                       max_ppl_increase=max_ppl_increase, fp_tables=fp_tables)
+                       max_ppl_increase=max_ppl_increase, fp_tables=fp_tables, api_key=api_key)
     _quiet_lm_eval()
     bars = Bars(quiet)
+    command = "compress report " + shlex.join(a.replace(api_key, "***") if api_key else a for a in sys.argv[2:])
     try:
-        result = run_report(cfg, bars, command="compress report " + shlex.join(sys.argv[2:]))
+        result = run_report(cfg, bars, command=command)
     finally:
         bars.close()
     from pathlib import Path

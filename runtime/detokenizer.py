@@ -13,9 +13,9 @@ def init_offsets(seq: Sequence) -> None:
 
 def decode_new_text(tokenizer, seq: Sequence) -> str:
     """Text added by the tokens appended since the last call (held back while a character is incomplete)."""
-    ids = seq.token_ids
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+    ids, skip = seq.token_ids, seq.params.skip_special_tokens
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
         return full[len(prefix):]

@@ -14,9 +14,11 @@ Flow: the server turns a request into a ``GuideSpec`` and compiles it (``Guides.
 schema, before any work; compiled grammars are cached by a hash of the spec and the tokenizer). The compiled
 ``Guide`` rides in ``SamplingParams.guide``; the sampler gives each guided sequence its own matcher state
 (``Sequence.guide_state``) and masks its logit row; the engine advances the state with each accepted token; the
-state goes with the sequence when it finishes or its client leaves. Guided requests take no speculative drafts
-(runtime/speculative.py): a draft would have to be checked against the grammar and the matcher rolled back,
-for little gain on the short outputs structured requests produce. ``min_tokens`` does not apply to them: the
+state goes with the sequence when it finishes or its client leaves. Under speculative decoding
+(runtime/speculative.py) drafts are cut where the grammar stops accepting them, and verify row ``i`` is masked
+with the state the first ``i`` drafts reach: the matcher walks forward over the drafts and is rolled back, so it
+only ever advances by the tokens the engine accepts, and greedy output is the same with or without drafts.
+``min_tokens`` does not apply to them: the
 grammar decides when they may stop. JSON is generated compact (no free whitespace), so a small model cannot
 spend its ``max_tokens`` on blank lines; a grammar that cannot finish in ``max_tokens`` ends with "length".
 """
@@ -76,6 +78,14 @@ class GuideState:
             log.warning("grammar rejected token %d; the rest of this output is unconstrained", token_id)
             self.matcher = None
 
+    def try_token(self, token_id: int) -> bool:
+        """Take ``token_id`` if the grammar allows it here (a draft, walked ahead and rolled back later)."""
+        return self.matcher is not None and not self.matcher.is_terminated() and self.matcher.accept_token(token_id)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.matcher.rollback(n)
+
 
 class Guide:
     """A compiled grammar; ``start()`` gives a new sequence its state, ``mask`` constrains logit rows."""
@@ -99,23 +109,92 @@ class Guide:
         bitmask = xgr.allocate_token_bitmask(len(live), logits.shape[1])  # [rows, ceil(V / 32)] int32
         for i, (_, matcher) in enumerate(live):
             matcher.fill_next_token_bitmask(bitmask, i)
-        index = [r for r, _ in live]
-        # bit j of word w allows token 32 w + j; little-endian bytes unpack in that order (3 us at V=49k, where
-        # xgrammar's CPU apply takes ~600 us)
-        assert sys.byteorder == "little"
-        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :logits.shape[1]]
-        logits[index] = logits[index].masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
+        _apply_bits(logits, [r for r, _ in live], bitmask)
+
+
+def _apply_bits(logits: Tensor, index: list[int], bitmask: Tensor) -> None:
+    """-inf where bitmask row ``k`` forbids a token of logits row ``index[k]``."""
+    # bit j of word w allows token 32 w + j; little-endian bytes unpack in that order (3 us at V=49k, where
+    # xgrammar's CPU apply takes ~600 us)
+    assert sys.byteorder == "little"
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:len(index), :logits.shape[1]]
+    logits[index] = logits[index].masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
+
+
+def _state(seq) -> GuideState:
+    if seq.guide_state is None:
+        seq.guide_state = seq.params.guide.start()
+    return seq.guide_state
 
 
 def apply(logits: Tensor, seqs: list) -> None:
     """Mask the rows of guided sequences (starting their state on first use)."""
     rows = [i for i, s in enumerate(seqs) if s.params.guide is not None]
-    if not rows:
+    if rows:
+        Guide.mask(logits, rows, [_state(seqs[i]) for i in rows])
+
+
+def accepted_drafts(seq, drafts: list[int]) -> int:
+    """How many of ``drafts`` the grammar of ``seq`` takes in order (all for an unguided or unconstrained sequence);
+    its state is left as it was."""
+    if seq.params.guide is None or _state(seq).matcher is None:
+        return len(drafts)
+    n = 0
+    while n < len(drafts) and seq.guide_state.try_token(drafts[n]):
+        n += 1
+    seq.guide_state.rollback(n)
+    return n
+
+
+class DraftWalk:
+    """Guided sequences' states walked ahead over the tokens a draft model proposes, so each next proposal is masked
+    with the state the earlier ones reach (drafts the grammar takes); ``undo`` rolls every state back."""
+
+    def __init__(self):
+        self.taken: dict = {}  # sequence -> tokens its matcher took
+        self.stopped: set = set()  # sequences whose matcher refused a proposal (or finished): the rest go unmasked
+
+    def mask(self, logits: Tensor, seqs: list) -> None:
+        """Mask the guided rows (a draft model with another vocabulary size goes unmasked)."""
+        rows = [i for i, s in enumerate(seqs) if s.params.guide is not None and s not in self.stopped
+                and s.params.guide.vocab_size == logits.shape[1]]
+        if rows:
+            Guide.mask(logits, rows, [_state(seqs[i]) for i in rows])
+
+    def take(self, seq, token_id: int) -> None:
+        if seq.params.guide is None or seq in self.stopped:
+            return
+        if _state(seq).try_token(token_id):
+            self.taken[seq] = self.taken.get(seq, 0) + 1
+        else:
+            self.stopped.add(seq)
+
+    def undo(self) -> None:
+        for seq, n in self.taken.items():
+            seq.guide_state.rollback(n)
+        self.taken.clear()
+        self.stopped.clear()
+
+
+def apply_to_drafts(logits: Tensor, seq, drafts: list[int]) -> None:
+    """Mask one sequence's verify rows, ``logits: [1 + len(drafts), V]``: row ``i`` with the state after
+    ``drafts[:i]`` (drafts the grammar takes: see accepted_drafts; rows past a finished grammar stay free, as in
+    ``Guide.mask``). The matcher walks forward over the drafts and is rolled back."""
+    import xgrammar as xgr
+
+    matcher = _state(seq).matcher
+    if matcher is None:
         return
-    for i in rows:
-        if seqs[i].guide_state is None:
-            seqs[i].guide_state = seqs[i].params.guide.start()
-    Guide.mask(logits, rows, [seqs[i].guide_state for i in rows])
+    bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, logits.shape[1])
+    rows, n = 0, 0
+    while rows <= len(drafts) and not matcher.is_terminated():
+        matcher.fill_next_token_bitmask(bitmask, rows)
+        rows += 1
+        if rows > len(drafts) or not matcher.accept_token(drafts[rows - 1]):
+            break
+        n += 1
+    matcher.rollback(n)
+    _apply_bits(logits, list(range(rows)), bitmask)
 
 
 def _tokenizer_hash(tokenizer, vocab_size: int, stop_ids) -> str:

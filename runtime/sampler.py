@@ -54,8 +54,10 @@ class Sampler:
                 if banned:
                     logits[i, banned] = float("-inf")
 
-    def process(self, logits: Tensor, seqs: list[Sequence], offsets: list[int]) -> None:
-        """Every per-request change to the logit rows before sampling (in place); ``offsets`` as in suppress_stops."""
+    def process(self, logits: Tensor, seqs: list[Sequence], offsets: list[int],
+                drafts: list[int] | None = None) -> None:
+        """Every per-request change to the logit rows before sampling (in place); ``offsets`` as in suppress_stops.
+        ``drafts``: the rows are one sequence's verify rows, row ``i`` after ``drafts[:i]`` (speculative decoding)."""
         self.suppress_stops(logits, seqs, offsets)
         self.penalize(logits, seqs)
         for i, seq in enumerate(seqs):
@@ -63,7 +65,10 @@ class Sampler:
                 ids, bias = zip(*seq.params.logit_bias)
                 logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype)
         if any(s.params.guide is not None for s in seqs):  # last: a grammar's mask overrides every bias
-            guided.apply(logits, seqs)
+            if drafts is None:
+                guided.apply(logits, seqs)
+            else:
+                guided.apply_to_drafts(logits, seqs[0], drafts)
 
     @staticmethod
     def penalize(logits: Tensor, seqs: list[Sequence]) -> None:

@@ -32,6 +32,8 @@ class SamplingParams:
     token's log-probability and the top ``k`` (0: the token only); ``prompt_logprobs=k`` the same for the
     prompt tokens (such a request skips the prefix cache: every prompt position must be computed).
     ``guide`` is a compiled grammar handle (runtime/guided.py) constraining every token.
+    ``skip_special_tokens=False`` keeps special tokens in the text (a tool-call marker such as Mistral's
+    ``[TOOL_CALLS]``); EOS and stop tokens never reach the text either way.
     """
 
     temperature: float = 0.0
@@ -51,6 +53,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     guide: Any = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -96,9 +99,9 @@ class SamplingParams:
 
     @property
     def plain_only(self) -> bool:
-        """Needs every token verified alone (penalties, bias, logprobs, a grammar): no speculative drafts."""
-        return bool(self.penalized or self.logit_bias or self.logprobs is not None or self.prompt_logprobs is not None
-                    or self.guide is not None)
+        """Needs every token verified alone (penalties, bias, logprobs): no speculative drafts. A grammar's drafts
+        are checked against it (runtime/guided.py)."""
+        return bool(self.penalized or self.logit_bias or self.logprobs is not None or self.prompt_logprobs is not None)
 
 
 class SequenceStatus(enum.Enum):

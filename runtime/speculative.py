@@ -11,6 +11,10 @@ Chen et al., 2023): accept ``d`` with probability ``min(1, p(d) / q(d))``, else 
 distributed exactly as the target's. A prompt-lookup draft is a point mass (``q(d) = 1``).
 Rejected positions are rolled back: ``num_computed_tokens`` stops at the accepted prefix (their KV
 slots are simply overwritten later) and blocks past it go back to the pool.
+Under a grammar (runtime/guided.py) a draft model proposes from logits masked with the state its earlier
+proposals reach, drafts are cut where the grammar stops taking them, and verify row ``i`` is masked with the
+state after the first ``i`` drafts; every walk ahead is rolled back, so the matcher advances only by the
+tokens accepted, and greedy output under a grammar is token-identical to plain decoding.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from runtime import guided
 from runtime.block_manager import BlockManager
 from runtime.model_runner import ForwardItem, ModelRunner
 from runtime.sampler import Sampler
@@ -111,24 +116,36 @@ class SpeculativeDecoder:
                 if want[seq] > 0:
                     asking.append(seq)
         logits = self.draft.forward(items) if items else None
+        walk = guided.DraftWalk()
         while asking:
+            walk.mask(logits, asking)
             tokens, probs = self._draft_tokens(logits, asking)
             for i, seq in enumerate(asking):
                 drafts.setdefault(seq, []).append(tokens[i])
                 dprobs.setdefault(seq, []).append(None if probs is None else probs[i])
+                walk.take(seq, tokens[i])
             asking = [seq for seq in asking if len(drafts[seq]) < want[seq]]
             if asking:
                 logits = self.draft.forward([ForwardItem([drafts[seq][-1]], seq.num_draft_computed, seq.block_table, 1)
                                              for seq in asking])
                 for seq in asking:
                     seq.num_draft_computed += 1
+        walk.undo()
         q = {seq: None if rows[0] is None else torch.stack(rows) for seq, rows in dprobs.items()}
         return drafts, q
 
     def _propose(self, batch: list[ScheduledSeq], want: dict[Sequence, int]):
+        """Drafts per sequence and their draft distributions. Greedy and point-mass drafts are cut where a grammar
+        stops taking them (no use verifying them); drafts sampled from a distribution are not, as rejection
+        sampling stays exact only when it rejects them itself (the grammar's mask gives them p = 0)."""
         if self.draft is not None:
-            return self._propose_with_model(batch, want)
-        return {s.seq: self.proposer.propose(s.seq.token_ids, want[s.seq]) for s in batch if want[s.seq]}, {}
+            drafts, q = self._propose_with_model(batch, want)
+        else:
+            drafts, q = {s.seq: self.proposer.propose(s.seq.token_ids, want[s.seq]) for s in batch if want[s.seq]}, {}
+        for seq, d in drafts.items():
+            if seq.params.greedy or q.get(seq) is None:
+                drafts[seq] = d[:guided.accepted_drafts(seq, d)]
+        return drafts, q
 
     def execute(self, batch: list[ScheduledSeq], bm: BlockManager) -> dict[Sequence, list[int]]:
         want = {s.seq: self._num_drafts(s) for s in batch}
@@ -148,13 +165,13 @@ class SpeculativeDecoder:
             d = drafts.get(seq, [])
             lg = logits[row:row + 1 + len(d)]
             row += 1 + len(d)
-            self.sampler.process(lg, [seq] * (1 + len(d)), list(range(1 + len(d))))
+            self.sampler.process(lg, [seq] * (1 + len(d)), list(range(1 + len(d))), drafts=d)
             if seq.params.greedy:
                 tokens = accept_greedy(lg.argmax(-1).tolist(), d)
             else:
                 p = self.sampler.probs(lg, [seq.params] * (1 + len(d)))
                 tokens = accept_rejection(p, d, q.get(seq), self.sampler.generator_for(seq))
-            if not d:  # a plain_only request (penalties, logprobs, a grammar) never has drafts
+            if not d:  # a plain_only request (penalties, logprobs) never has drafts
                 self.sampler.record_logprobs(lg, [seq], tokens)
             self.drafted += len(d)
             self.accepted += len(tokens) - 1

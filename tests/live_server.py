@@ -74,3 +74,13 @@ class Served:
     def close(self):
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def serve_folder(path, api_key: str, max_num_seqs: int = 8, kv_cache_memory: int = 32 << 20) -> Served:
+    """The engine on the model folder ``path`` (context 256), served under the folder's name with ``api_key``."""
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(path), max_num_seqs=max_num_seqs, max_model_len=256,
+                                 kv_cache_memory=kv_cache_memory))
+    return Served(engine, model_name=str(path), api_key=api_key, max_num_seqs=max_num_seqs, max_queue=64)

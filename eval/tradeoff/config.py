@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 FP_NAMES = ("fp", "fp32")  # the model itself, unquantized
 DEFAULT_RECIPES = ("fp32", "int8", "nf4", "rtn4", "gptq4", "awq4", "awq-gptq4")
@@ -34,7 +34,7 @@ class ReportConfig:
     model: str
     out: str
     recipes: tuple[str, ...] = DEFAULT_RECIPES
-    variants: tuple[str, ...] = ()  # existing folders or files: a checkpoint, an ONNX export, a .gguf
+    variants: tuple[str, ...] = ()  # existing folders or files (checkpoint, ONNX export, .gguf) or server URLs
     exports: tuple[str, ...] = ()  # FORMAT:RECIPE
     ppl: tuple[str, ...] = ("wiki",)
     seqlen: int = 512
@@ -52,6 +52,7 @@ class ReportConfig:
     max_ppl_increase: float = 5.0  # percent over the baseline's perplexity
     # each recipe that quantizes the embedding/LM head also run with them full width (embed/head none), beside it
     fp_tables: bool = False
+    api_key: str | None = field(default=None, repr=False)  # of the servers in ``variants``; never written out
 
     def __post_init__(self):
         if not (self.recipes or self.variants or self.exports):
@@ -73,4 +74,4 @@ class ReportConfig:
             parse_export(e)
 
     def to_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "api_key"}

@@ -56,8 +56,17 @@ class _Measure:
             log.debug("%s: %s failed", v.label, name, exc_info=True)
             row["error"] = "; ".join(x for x in (row.get("error"), f"{name}: {type(e).__name__}: {e}") if x)
 
-    def row(self, v: Variant) -> dict:
+    def _quality(self, v: Variant, spec: str) -> dict:
         from eval.tradeoff.quality import measure_quality
+        from eval.tradeoff.served import served_quality
+
+        if v.kind == "served":
+            return served_quality(spec, self.texts, self.cfg, self.bars)
+        ref = None if v.kind == "fp" else self.reference()  # loaded only when a stage is not cached
+        return measure_quality(spec, v.kind, self.texts, self.cfg, ref, self.bars, v.label)
+
+    def row(self, v: Variant) -> dict:
+        from eval.tradeoff.served import served_speed
         from eval.tradeoff.speed import measure_speed
 
         row = {"label": v.label, "kind": v.kind, "key": v.key, "recipe": v.recipe, "format": v.fmt, "error": None,
@@ -68,14 +77,14 @@ class _Measure:
             row["error"] = f"make: {type(e).__name__}: {e}"
             return row
         row["source"] = spec
-        ref = (lambda: None) if v.kind == "fp" else self.reference
-        self._stage(row, "quality", v, self.quality_key,
-                    lambda: measure_quality(spec, v.kind, self.texts, self.cfg, ref(), self.bars, v.label))
+        self._stage(row, "quality", v, self.quality_key, lambda: self._quality(v, spec))
         if self.cfg.speed:
             def speed():
                 from eval.progress import quiet_third_party
 
                 self.bars.note(f"{v.label}: speed")
+                if v.kind == "served":
+                    return served_speed(spec, self.cfg)
                 with quiet_third_party():  # transformers' weight-loading bar
                     return measure_speed(spec, self.cfg)
             self._stage(row, "speed", v, self.speed_key, speed)
@@ -84,17 +93,18 @@ class _Measure:
 
 
 def _candidates(rows: list[dict], text: str) -> dict[str, pareto.Candidate]:
+    """The rows with a size (a served row has none): the frontier's, the plots' and the recommendations'."""
     return {r["label"]: pareto.Candidate(r["label"], r["quality"]["size_bytes"], r["quality"]["ppl"][text],
                                          (r.get("speed") or {}).get("decode_tok_s"))
-            for r in rows if r.get("quality")}
+            for r in rows if r.get("quality") and r["quality"]["size_bytes"] is not None}
 
 
 def analyse(result: dict, cfg: ReportConfig) -> None:
     """Baseline, Pareto marks and recommendations from the measured rows (in place)."""
     text = cfg.ppl[0]
     cands = _candidates(result["rows"], text)
-    base = next((r for r in result["rows"] if r["kind"] == "fp" and r.get("quality")),
-                next((r for r in result["rows"] if r.get("quality")), None))
+    base = next((r for r in result["rows"] if r["kind"] == "fp" and r["label"] in cands),
+                next((r for r in result["rows"] if r["label"] in cands), None))
     result["baseline"] = base and base["label"]
     result["baseline_ppl"] = base and base["quality"]["ppl"]
     front = set(pareto.frontier({k: (c.size_bytes, c.ppl, -(c.decode_tok_s or 0.0)) for k, c in cands.items()}))
@@ -118,7 +128,7 @@ def draw(result: dict, cfg: ReportConfig) -> dict[str, bytes]:
     prefix = f"{_name(result)}-"
     cands = {k.removeprefix(prefix) or k: c for k, c in _candidates(result["rows"], cfg.ppl[0]).items()}
     kl = {r["label"].removeprefix(prefix) or r["label"]: r["quality"]["kl"][cfg.ppl[0]]["mean"]
-          for r in result["rows"] if r.get("quality") and r["quality"]["kl"][cfg.ppl[0]]["mean"] > 0}
+          for r in result["rows"] if r.get("quality") and (r["quality"]["kl"][cfg.ppl[0]] or {}).get("mean", 0) > 0}
     size = [(k, c.size_bytes / 2**20, c.ppl) for k, c in cands.items()]
     series = {
         PLOT_FILES[0]: plots.Series(size, pareto.frontier({k: (x, y) for k, x, y in size}), "size on disk (MiB)",

@@ -26,7 +26,8 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def _requests(tokenizer, n: int, cfg, seed: int):
+def workload(tokenizer, n: int, cfg, seed: int):
+    """``n`` requests of the report's prompt and output lengths (the same for every runtime at one seed)."""
     from runtime.bench.workload import make_requests
 
     return make_requests(tokenizer, n, cfg.prompt_len, cfg.output_len, jitter=0.0, seed=seed)
@@ -43,12 +44,12 @@ def engine_speed(spec: str, cfg) -> dict:
     engine = Engine(EngineConfig(model=spec, max_num_seqs=cfg.concurrency, kv_cache_memory=KV_CACHE_MEMORY))
     try:
         tok = engine.tokenizer
-        warm = _requests(tok, 1, cfg, seed=1)
+        warm = workload(tok, 1, cfg, seed=1)
         run_engine(engine, warm, 1, False, SamplingParams)  # compile/allocate once, outside the timings
-        one = summarize("batch1", spec, 1, [run_engine(engine, _requests(tok, BATCH1_REQUESTS, cfg, 2), 1, False,
+        one = summarize("batch1", spec, 1, [run_engine(engine, workload(tok, BATCH1_REQUESTS, cfg, 2), 1, False,
                                                           SamplingParams)])
         many = summarize("parallel", spec, cfg.concurrency, [run_engine(
-            engine, _requests(tok, 2 * cfg.concurrency, cfg, 3), cfg.concurrency, False, SamplingParams)])
+            engine, workload(tok, 2 * cfg.concurrency, cfg, 3), cfg.concurrency, False, SamplingParams)])
         kv = kv_bytes_per_block(engine.runner.config, 1, engine.dtype)  # the engine's default KV cache
         return {"runtime": f"engine {engine.dtype}", "ttft_ms": one.ttft_ms_p50, "tpot_ms": one.tpot_ms_p50,
                 "decode_tok_s": 1000.0 / one.tpot_ms_p50, "output_tok_s": many.output_tok_s,
@@ -68,7 +69,7 @@ def onnx_speed(path: str, cfg) -> dict:
 
     model, tok = OnnxCausalLM(path, threads=torch_threads()), AutoTokenizer.from_pretrained(path)
     ttft, tpot = [], []
-    for r in _requests(tok, 1, cfg, 1) + _requests(tok, BATCH1_REQUESTS, cfg, 2):  # the first warms up
+    for r in workload(tok, 1, cfg, 1) + workload(tok, BATCH1_REQUESTS, cfg, 2):  # the first warms up
         ids = np.asarray([r.prompt_ids], dtype=np.int64)
         mask, past = np.ones_like(ids), model._empty_past(1)
         t0 = time.perf_counter()
@@ -80,7 +81,7 @@ def onnx_speed(path: str, cfg) -> dict:
             logits, past = model.step(nxt, mask, past)
         ttft.append(t1 - t0)
         tpot.append((time.perf_counter() - t1) / (r.output_len - 1))
-    reqs = _requests(tok, cfg.concurrency, cfg, 3)  # one static batch: ONNX Runtime has no scheduler
+    reqs = workload(tok, cfg.concurrency, cfg, 3)  # one static batch: ONNX Runtime has no scheduler
     t0 = time.perf_counter()
     model.generate(torch.tensor([r.prompt_ids for r in reqs]), max_new_tokens=cfg.output_len)
     wall = time.perf_counter() - t0

@@ -1,5 +1,6 @@
-"""What a report measures: the fp model, a recipe applied to it, an export of such a checkpoint, or an
-existing folder/file. Planning checks every name before any work; materializing runs `compress quantize`
+"""What a report measures: the fp model, a recipe applied to it, an export of such a checkpoint, an
+existing folder/file, or a running server (eval/tradeoff/served.py).
+Planning checks every name before any work; materializing runs `compress quantize`
 (in a child process, so its time and peak memory are its own) and `compress export` once per variant."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from eval.tradeoff.cache import StageCache, digest, fingerprint
 from eval.tradeoff.config import FP_NAMES, ReportConfig, parse_export
+from eval.tradeoff.served import is_url, served_label_key
 
 FP_LABEL = "fp32"
 # --fp-tables: a recipe run again with its embedding and LM head kept full width, the row beside the recipe's own
@@ -27,11 +29,11 @@ STDERR_TAIL = 4000  # characters of a failed child's stderr kept for its error
 @dataclass(frozen=True)
 class Variant:
     label: str  # the row's name: fp32, a recipe name, RECIPE.FORMAT, or the folder's name
-    kind: str  # "fp" | "recipe" | "export" | "folder"
+    kind: str  # "fp" | "recipe" | "export" | "folder" | "served"
     key: str  # hash of what defines it (model, recipe config, format, or the folder's files)
     recipe: str | None = None
     fmt: str | None = None
-    path: str | None = None  # kind "folder": the given path
+    path: str | None = None  # kind "folder": the given path; "served": the server's root URL
     overrides: tuple[tuple[str, str], ...] = ()  # kind "recipe": recipe fields this row changes (FP_TABLES)
 
     @property
@@ -80,6 +82,14 @@ def _folder_variant(p: str) -> Variant:
     return Variant(path.name, "folder", digest(fingerprint(path)), path=str(path))
 
 
+def _given_variant(p: str, cfg: ReportConfig) -> Variant:
+    """A --variants entry: a server URL (reached now) or a folder/file."""
+    if not is_url(p):
+        return _folder_variant(p)
+    label, root, identity = served_label_key(p, cfg.api_key)
+    return Variant(label, "served", digest(identity), path=root)
+
+
 def plan(cfg: ReportConfig) -> list[Variant]:
     """Every variant of the report, in order; raises on an unknown recipe or a missing folder before any work."""
     model_id = model_identity(cfg.model)
@@ -93,7 +103,7 @@ def plan(cfg: ReportConfig) -> list[Variant]:
         fmt, r = parse_export(e)
         base = digest([model_id, recipe_config(r, cfg).to_dict()])
         out.append(Variant(f"{Path(r).stem}.{fmt}", "export", digest([base, fmt]), recipe=r, fmt=fmt))
-    out += [_folder_variant(p) for p in cfg.variants]
+    out += [_given_variant(p, cfg) for p in cfg.variants]
     labels = [v.label for v in out]
     dup = sorted({x for x in labels if labels.count(x) > 1})
     if dup:
@@ -140,7 +150,7 @@ class Materializer:
         """(model spec or path to measure, {"quantize": ..., "export": ...} facts of how it was made)."""
         if v.kind == "fp":
             return self.cfg.model, {}
-        if v.kind == "folder":
+        if v.kind in ("folder", "served"):
             return v.path, {}
         base = v if v.kind == "recipe" else Variant(
             Path(v.recipe).stem, "recipe", digest([model_identity(self.cfg.model),

@@ -53,8 +53,10 @@ SERVE_OPTIONS = (
                  "prefilled in chunks [default: 2048]."),
     click.option("--num-speculative-tokens", type=int, default=None, help="Drafted tokens per step with --draft [default: 4]."),
     click.option("--seed", type=int, default=None, help="Seed of the sampling of requests without their own seed."),
-    click.option("--tool-call-parser", default="hermes", show_default=True, type=click.Choice(["hermes", "llama3_json"]),
-                 help="How the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5/3, Hermes) or llama3_json."),
+    click.option("--tool-call-parser", default="hermes", show_default=True,
+                 type=click.Choice(["hermes", "llama3_json", "mistral"]),
+                 help="How the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5/3, Hermes), llama3_json, or "
+                 "mistral ([TOOL_CALLS] and a JSON array of calls)."),
 )
 
 

@@ -169,15 +169,17 @@ class RequestRunner:
         return choices
 
     async def stream(self, sub: Submitted, chunk_of: Callable, usage_chunk: Callable | None) -> AsyncIterator[dict]:
-        """Stream bodies: ``chunk_of(choice, out)`` after each output (None to send nothing yet: what the choice
-        has not sent goes with its next chunk), then the usage chunk if asked."""
+        """Stream bodies: ``chunk_of(choice, out)`` after each output, a body or a list of them (None or [] to send
+        nothing yet: what the choice has not sent goes with its next chunk), then the usage chunk if asked."""
         choices = [Choice(i) for i in range(len(sub.index))]
         try:
             async for i, out in self.outputs(sub, None):
                 add(choices[i], out)
-                body = chunk_of(choices[i], out)
-                if body is not None:
+                bodies = chunk_of(choices[i], out)
+                bodies = [bodies] if isinstance(bodies, dict) else bodies or []
+                if bodies:
                     choices[i].mark_sent()
+                for body in bodies:
                     yield body
         except APIError as e:
             yield e.body()

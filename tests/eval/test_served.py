@@ -34,13 +34,9 @@ def fp_dir(tmp_path_factory, smol_tokenizer, make_lm):
 
 @pytest.fixture(scope="module")
 def served(fp_dir):
-    from live_server import Served
+    from live_server import serve_folder
 
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
-
-    engine = Engine(EngineConfig(model=str(fp_dir), max_num_seqs=8, max_model_len=256, kv_cache_memory=32 << 20))
-    s = Served(engine, model_name=str(fp_dir), api_key=KEY, max_num_seqs=8, max_queue=64)
+    s = serve_folder(fp_dir, KEY)
     yield s
     s.close()
 

@@ -13,6 +13,7 @@ from runtime.serve.routes.generation import AbortOnClose, guide_for, sampling_pa
 from runtime.serve.serving import Choice, RequestRunner, Submitted
 from runtime.serve.state import served
 from runtime.serve.tool_calls import ToolFormat
+from runtime.serve.tool_stream import ToolStream
 
 router = APIRouter()
 
@@ -41,7 +42,14 @@ def tool_guide(req: ChatCompletionRequest, fmt: ToolFormat) -> tuple[GuideSpec, 
     if req.named_tool is not None and req.named_tool not in names:
         raise APIError(400, f"tool_choice names function {req.named_tool!r}, which is not among the tools {names}; "
                        "name one of them", param="tool_choice")
-    return tool_calls.guide_spec(req.tool_dicts(), fmt, req.named_tool), "tool_choice"
+    return tool_calls.guide_spec(req.tool_dicts(), fmt, req.named_tool, req.parallel_tool_calls), "tool_choice"
+
+
+def skips_special(engine, req: ChatCompletionRequest, fmt: ToolFormat) -> bool:
+    """False where the tool-call marker is one of the tokenizer's special tokens (Mistral's ``[TOOL_CALLS]``): the
+    text must keep it for the calls to be found."""
+    marker = fmt.begin.strip()
+    return not (req.tools_active and marker and marker in getattr(engine.tokenizer, "all_special_tokens", ()))
 
 
 async def chat_guide(runner: RequestRunner, req: ChatCompletionRequest, fmt: ToolFormat):
@@ -69,6 +77,7 @@ class _ChatShape:
     def __init__(self, engine, req: ChatCompletionRequest, sub: Submitted, model: str, fmt: ToolFormat,
                  top: int | None):
         self.engine, self.req, self.sub, self.model, self.fmt, self.top = engine, req, sub, model, fmt, top
+        self.streams: dict[int, ToolStream] = {}
 
     def logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if self.top is None:
@@ -92,23 +101,22 @@ class _ChatShape:
         choice = chat_choice(c.index, "", self.logprobs(c.unsent_logprobs()), finish, delta=delta)
         return chat_chunk(self.sub.rid, self.model, [choice])
 
-    async def whole_chunks(self, runner: RequestRunner):
-        """With tools, calls are parsed from the whole output: one chunk per choice at its end."""
-        try:
-            choices = await runner.collect(self.sub, None)
-        except APIError as e:
-            yield e.body()
-            return
-        for c in choices:
+    def tool_chunks(self, c: Choice, out) -> list[dict]:
+        """With tools: content as it comes, each call once its JSON closes (runtime/serve/tool_stream.py)."""
+        stream = self.streams.setdefault(c.index, ToolStream(self.fmt, self.req.parallel_tool_calls))
+        if out.finished:
             content, calls, finish = _message(c, self.req, self.fmt)
-            delta = {"role": "assistant", "content": content}
-            if calls:
-                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-            choice = chat_choice(c.index, None, self.logprobs(c.logprobs), finish, delta=delta)
-            yield chat_chunk(self.sub.rid, self.model, [choice])
-        last = self.final(self.sub.usage(choices))
-        if last is not None:
-            yield last
+            deltas = stream.finish(content, calls or [])
+        else:
+            deltas, finish = stream.step("".join(c.text)), None
+        if not c.emitted:
+            deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + deltas[1:]
+        if finish is not None:
+            deltas.append({})
+        logprobs = self.logprobs(c.unsent_logprobs())
+        return [chat_chunk(self.sub.rid, self.model, [chat_choice(c.index, None, logprobs if k == 0 else None,
+                                                                  finish if k == len(deltas) - 1 else None, delta=d)])
+                for k, d in enumerate(deltas)]
 
 
 @router.post("/v1/chat/completions")
@@ -124,13 +132,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     check_logprobs(req.top_logprobs, "top_logprobs")
     top = (req.top_logprobs or 0) if req.logprobs else None
     guide = await chat_guide(runner, req, fmt)
-    params = sampling_params(req, max_tokens, engine.runner.vocab_size, logprobs=top, guide=guide)
+    params = sampling_params(req, max_tokens, engine.runner.vocab_size, logprobs=top, guide=guide,
+                             skip_special_tokens=skips_special(engine, req, fmt))
     sub = runner.submit([ids], params, req.n, new_id("chatcmpl"), "messages")
     shape = _ChatShape(engine, req, sub, model, fmt, top)
-    if req.stream and req.tools_active:
-        return AbortOnClose(sse(shape.whole_chunks(runner)), lambda: runner.abort(sub))
     if req.stream:
-        events = runner.stream(sub, shape.chunk, shape.final if req.include_usage else None)
+        chunk = shape.tool_chunks if req.tools_active else shape.chunk
+        events = runner.stream(sub, chunk, shape.final if req.include_usage else None)
         return AbortOnClose(sse(events), lambda: runner.abort(sub))
     choices = await runner.collect(sub, request)
     return chat_body(sub.rid, model, [shape.choice(c) for c in choices], sub.usage(choices))

@@ -89,11 +89,6 @@ def test_required_and_named_choices_give_valid_calls(served, choice):
         check_call(ch.message.tool_calls[0], [WEATHER, TIME])
         if isinstance(choice, dict):
             assert ch.message.tool_calls[0].function.name == "get_time"
-    chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w"}], stream=True,
-                                            tools=[WEATHER], tool_choice="required", max_tokens=120, seed=5))
-    calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].function.name == "get_weather"
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_history_with_calls_auto_none_and_errors(served):
@@ -114,3 +109,45 @@ def test_history_with_calls_auto_none_and_errors(served):
     with pytest.raises(openai.BadRequestError, match="response_format"):
         c.chat.completions.create(model="tiny", messages=history, tools=[TIME], tool_choice="required", max_tokens=8,
                                   response_format={"type": "json_object"})
+
+
+def streamed_and_whole(client, **kw):
+    """The message the `openai` client accumulates from the stream, and the unstreamed one, of the same request."""
+    with client.chat.completions.stream(**kw) as stream:
+        chunks = list(stream)
+        streamed = stream.current_completion_snapshot.choices[0]  # get_final_completion refuses "length"
+    return streamed, client.chat.completions.create(**kw).choices[0], chunks
+
+
+def calls_of(choice) -> list[tuple[str, str]]:
+    return [(t.function.name, t.function.arguments) for t in choice.message.tool_calls or ()]
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_calls_accumulate_to_the_unstreamed_ones(served, choice):
+    """OpenAI's stream shape: a call's first delta has its id, type, name and empty arguments, the next ones its
+    arguments; what the client accumulates equals the unstreamed answer."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "w"}], tools=[WEATHER, TIME], tool_choice=choice,
+              max_tokens=120, seed=5, temperature=1.0 if choice != "auto" else 0)
+    streamed, whole, chunks = streamed_and_whole(served.client(), **kw)
+    assert calls_of(streamed) == calls_of(whole) and streamed.finish_reason == whole.finish_reason
+    assert (streamed.message.content or None) == whole.message.content
+    deltas = [e.chunk.choices[0].delta for e in chunks if e.type == "chunk" and e.chunk.choices]
+    firsts = [t for d in deltas for t in d.tool_calls or () if t.id is not None]
+    assert len(firsts) == len(calls_of(whole)) == (0 if choice == "auto" else 1)
+    assert all(t.type == "function" and t.function.name and t.function.arguments == "" for t in firsts)
+
+
+def test_content_streams_before_a_call(served):
+    """Free text before a call (tool_choice auto; a regex stands in for a model that talks first) arrives as
+    content deltas ahead of the call's deltas, and the marker never shows in the content."""
+    forced = r'I will check\.<tool_call>\n\{"name": "get_time", "arguments": \{"zone": 3\}\}\n</tool_call>'
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "w"}], tools=[TIME], max_tokens=150, temperature=0,
+              extra_body={"guided_regex": forced})
+    streamed, whole, chunks = streamed_and_whole(served.client(), **kw)
+    assert whole.message.content == streamed.message.content == "I will check."
+    assert calls_of(whole) == calls_of(streamed) == [("get_time", '{"zone": 3}')]
+    kinds = [("content" if d.content else "call") for e in chunks if e.type == "chunk" and e.chunk.choices
+             for d in [e.chunk.choices[0].delta] if d.content or d.tool_calls]
+    assert kinds[0] == "content" and kinds[-1] == "call" and kinds.index("call") > 1  # text came in pieces first
+    assert streamed.finish_reason == "tool_calls"

@@ -1,0 +1,72 @@
+"""Streamed tool calls as OpenAI streams them: the text before the first call as ``content`` deltas while it is
+generated, then each call, once its JSON is closed, as a first delta ``{index, id, type, function: {name,
+arguments: ""}}`` and a delta ``{index, function: {arguments}}``; the finished output's parse decides the rest.
+
+What a client accumulates equals the unstreamed message: the same calls (names, arguments; ids are new per
+request) and the same content, except that content before a call keeps a leading blank the unstreamed answer
+strips. Text that could still become a call marker, and blanks that could precede one, wait for the next output.
+"""
+from __future__ import annotations
+
+from runtime.serve.tool_calls import ToolFormat, closed_calls
+
+
+class ToolStream:
+    """One choice's streamed deltas: ``step`` with the output so far, ``finish`` with the finished message."""
+
+    def __init__(self, fmt: ToolFormat, parallel: bool):
+        self.fmt, self.limit = fmt, None if parallel else 1
+        self.marker = fmt.begin.strip()
+        self.content = ""  # content streamed so far
+        self.calls_from: int | None = None  # where the first call starts in the output, once seen
+        self.ids: list[str] = []  # the streamed calls' ids, by index
+
+    def _calls_start(self, text: str) -> int | None:
+        if self.marker:
+            at = text.find(self.marker)
+            return None if at < 0 else at
+        body = text.lstrip()  # bare JSON: a call is the whole output, so it starts with "{"
+        return len(text) - len(body) if body.startswith("{") else None
+
+    def _content_end(self, text: str) -> int:
+        """How much of ``text`` (no call started in it) is surely content: not a trailing blank or marker prefix."""
+        end = len(text.rstrip())
+        for k in range(min(len(self.marker) - 1, end), 0, -1):
+            if text.endswith(self.marker[:k], 0, end):
+                return len(text[:end - k].rstrip())
+        return end
+
+    def step(self, text: str) -> list[dict]:
+        """The deltas an unfinished output ``text`` adds to what was streamed."""
+        if self.calls_from is None:
+            self.calls_from = self._calls_start(text)
+            if self.calls_from is None and not self.marker and text.strip():
+                self.calls_from = -1  # bare JSON that does not start with "{": no call can follow
+        if self.calls_from is None or self.calls_from < 0:
+            end = len(text) if self.calls_from == -1 else self._content_end(text)
+            return self._text(text[:end])
+        deltas = self._text(text[:self.calls_from].rstrip())
+        return deltas + self._calls(closed_calls(text[self.calls_from:], self.fmt))
+
+    def finish(self, content: str | None, calls: list[dict]) -> list[dict]:
+        """The deltas left once the finished output parsed to ``content`` and ``calls``."""
+        content = content or ""
+        rest = next((content[len(p):] for p in (self.content, self.content.lstrip()) if content.startswith(p)), "")
+        deltas = [{"content": rest}] if rest else []
+        return deltas + self._calls(calls)
+
+    def _text(self, content: str) -> list[dict]:
+        if not content.startswith(self.content) or len(content) == len(self.content):
+            return []
+        new, self.content = content[len(self.content):], content
+        return [{"content": new}]
+
+    def _calls(self, calls: list[dict]) -> list[dict]:
+        deltas = []
+        for k, call in enumerate(calls[len(self.ids):self.limit], start=len(self.ids)):
+            fn = call["function"]
+            self.ids.append(call["id"])
+            deltas += [{"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                        "function": {"name": fn["name"], "arguments": ""}}]},
+                       {"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]}]
+        return deltas
