@@ -193,6 +193,9 @@ class QuantizeConfig:
                 raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq, qat with init: gptq) "
                                  f"only, not {self.method!r}")
         gptq_runs = self.method == "gptq" or (self.method == "qat" and self.qat.init == "gptq")
+        if self.gptq.refit and (self.method != "gptq" or not self.fallback):
+            raise ValueError(f"refit applies to method gptq with fallback: true only (it solves a layer kept over RTN "
+                             f"again with the held-out windows), not {self.method!r} with fallback: {self.fallback}")
         if not self.gptq.sequential and not gptq_runs:
             raise ValueError(f"sequential: false applies to method gptq (or qat with init: gptq) only, not "
                              f"{self.method!r} (awq searches its scales block by block on the quantized blocks' "

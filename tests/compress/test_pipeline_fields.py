@@ -22,7 +22,7 @@ def _names(t) -> set[str]:
 
 
 GPTQ = _names(GPTQOptions) - {"block_size"}
-AWQ = _names(AWQOptions)
+AWQ = _names(AWQOptions) - {"coarse", "search_dtype"}
 QAT = _names(QATOptions)
 SCHEME = {"bits", "group_size", "sym", "ignore"}
 FALLBACK = {"fallback", "holdout"}  # the windows held out to judge the calibrated result against RTN's
@@ -32,7 +32,7 @@ READS = {
     "rtn": SCHEME,
     "nf4": SCHEME - {"bits", "sym"},
     "gptq": SCHEME | {"calib_dtype", "weighted_range"} | GPTQ | FALLBACK,
-    "awq": SCHEME | {"calib_dtype", "weighted_range", "seed"} | AWQ | GPTQ - {"sequential"} | FALLBACK,  # rounding: gptq
+    "awq": SCHEME | {"calib_dtype", "weighted_range", "seed"} | AWQ | GPTQ - {"sequential", "refit"} | FALLBACK,
     "qat": SCHEME | {"seed", "batch_size", "train_dtype"} | QAT
            | {"calib_dtype", "weighted_range"} | AWQ - {"rounding"},  # the awq options under init: awq
 }
@@ -40,7 +40,8 @@ READS = {
 # (guided GPTQ weights the dense linears' tokens only: the experts are compared alone here, so it is not listed;
 # sequential: false is refused on a MoE model, tests/compress/methods/test_gptq_fp.py)
 # the experts are not judged against RTN: they fit on every calibration window, held out or not
-MOE_READS = {m: READS[m] - {"guided", "guided_mix", "guided_nsamples", "sequential"} - FALLBACK
+MOE_READS = {m: READS[m] - {"guided", "guided_mix", "guided_nsamples", "sequential", "refit"} - FALLBACK
+              - {"observe_tokens"}  # an expert's search runs on its own routed tokens
              | ({"moe_min_tokens"} if m in ("gptq", "awq") else set()) for m in ("rtn", "nf4", "gptq", "awq")}
 # the settings under which a field matters
 CONTEXT = {**{("awq", f): {"rounding": "gptq"} for f in GPTQ},
@@ -49,7 +50,8 @@ CONTEXT = {**{("awq", f): {"rounding": "gptq"} for f in GPTQ},
            ("awq", "guided_nsamples"): {"rounding": "gptq", "guided": True, "guided_mix": 0.5},
            **{("qat", f): {"init": "awq"} for f in AWQ | {"calib_dtype", "weighted_range"}},
            ("qat", "learn_zero"): {"steps": 4, "scale_lr": 0.9},
-           ("gptq", "holdout"): {"fallback": True}, ("awq", "holdout"): {"fallback": True, "group_size": 16}}  # AWQ keeps some groups  # zeros move only where codes clamp
+           ("gptq", "holdout"): {"fallback": True}, ("gptq", "refit"): {"fallback": True},
+           **{(m, "search_dtype"): {"grid": 20, "search_tokens": 64} for m in ("awq", "qat")}, ("awq", "holdout"): {"fallback": True, "group_size": 16}}  # AWQ keeps some groups  # zeros move only where codes clamp
 # read before any method (rotation, KV-head conversion and its uptraining), by compress/pipeline.py
 PIPELINE = {"rotate", "kv_heads", "kv_init", "kv_fit_steps", "kv_fit_lr", "uptrain_steps", "uptrain_lr",
             "uptrain_scope"}
@@ -60,6 +62,11 @@ UNREAD = {
     "calib": "compress/job.py turns calib, nsamples and seqlen into the batches quantize_model is given",
     "nsamples": "compress/job.py", "seqlen": "compress/job.py",
     "block_size": "GPTQ's lazy-update width: the same result, faster",
+    "coarse": "AWQ's search order: the same choice wherever the loss is unimodal, faster "
+              "(tests/compress/methods/common/test_grid.py)",
+    "search_dtype": "AWQ's search arithmetic: on these tiny models bf16's rounding is far below the grid points' loss "
+                    "differences, so the choices do not move (on SmolLM2 they did: docs/experiments/"
+                    "2026-12-06-awq-time-per-block.md)",
     **{f: "compress/job.py rounds the embedding and head after the method (tests/compress/methods/test_embed_head.py)"
        for f in ("embed", "head", "embed_group_size", "head_group_size", "embed_sym", "head_sym")},
     "head_method": "compress/job.py calibrates an untied head after the method "
@@ -77,6 +84,7 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
     "damp": {m: "GPTQ's rounding only" for m in (*DATA_FREE, "qat")},
     **{f: {m: REFUSED for m in (*DATA_FREE, "qat")} for f in GPTQ - {"damp", "sequential"}},
     "sequential": {m: REFUSED for m in (*DATA_FREE, "qat", "awq")},
+    "refit": {m: REFUSED for m in (*DATA_FREE, "qat", "awq")},
     **{f: {m: "AWQ's searches only" for m in ("rtn", "nf4", "gptq")} for f in AWQ - {"rounding"}},
     "rounding": {m: REFUSED for m in ("rtn", "nf4", "gptq", "qat")},
     **{f: {m: "QAT only" for m in PTQ} for f in QAT},
@@ -96,7 +104,7 @@ CHANGE = {
     "weighted_range": True,
     "grid": 3, "duo_scaling": False, "clip": False, "search_tokens": 8, "clip_tokens": 4, "clip_grid": 4,
     "rounding": "gptq", "init": "awq", "steps": 3, "lr": 1e-2, "scale_lr": 0.0, "learn_zero": True, "lr_in_steps": True,
-    "self_data": 0.5, "fallback": True, "holdout": 0.25,
+    "self_data": 0.5, "fallback": True, "holdout": 0.25, "refit": True, "observe_tokens": 16,
     "train_dtype": "bfloat16", "ignore": ("lm_head", "o_proj"), "moe_min_tokens": 10_000, "zero_floor": 1,
 }
 # a MoE model's other linears stay fp, so its experts see the same routed tokens whatever the dense path does

@@ -31,3 +31,11 @@ def test_linear_error_is_the_mse_of_the_concatenated_outputs(rows):
     cand = [w + 0.01 * torch.randn(w.shape, generator=g) for w in ws]
     want = torch.nn.functional.mse_loss(torch.cat([x @ w.T for w in cand], -1), torch.cat([x @ w.T for w in ws], -1))
     assert awq.linear_error(x, ws)(cand) == pytest.approx(want.item(), rel=1e-4)
+
+
+def test_linear_error_in_bfloat16_is_the_same_number_to_bf16_precision():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 96, generator=g), torch.randn(32, 96, generator=g)  # wider than its rows: the direct form
+    cand = [quant.fake_quantize(w, Scheme(4, 32, False))]
+    exact, low = awq.linear_error(x, [w])(cand), awq.linear_error(x, [w], torch.bfloat16)(cand)
+    assert low != exact and abs(low - exact) / exact < 2e-2
