@@ -157,3 +157,26 @@ def test_aborted_request_drops_its_grammar_state(model_dir):  # noqa: F811
     engine.abort(rid)
     engine.step()
     assert seq.guide_state is None and engine.block_manager.num_used_blocks == 0
+
+
+def test_unbounded_numbers_get_the_safe_range_so_every_output_can_end():
+    from runtime.guided import SAFE_INTEGER, bounded
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": ["number", "null"]},
+                                                "k": {"type": "integer", "minimum": 3, "exclusiveMaximum": 9},
+                                                "a": {"type": "array", "items": {"type": "integer"}}}}
+    b = bounded(schema)
+    assert b["properties"]["n"] == {"type": "integer", "minimum": -SAFE_INTEGER, "maximum": SAFE_INTEGER}
+    assert b["properties"]["x"]["maximum"] == SAFE_INTEGER and b["properties"]["a"]["items"]["minimum"] == -SAFE_INTEGER
+    assert b["properties"]["k"] == {"type": "integer", "minimum": 3, "exclusiveMaximum": 9}  # its own bounds kept
+    assert schema["properties"]["n"] == {"type": "integer"}  # the request's schema is not changed
+
+
+def test_an_unbounded_integer_cannot_run_past_sixteen_digits(guides):
+    tok, g = guides
+    guide = g.compile(GuideSpec.json_schema({"type": "integer"}))
+    state = guide.start()
+    for ch in "9007199254740991":
+        assert tok.convert_tokens_to_ids(ch) in mask_of(guide, state, len(tok))
+        state.advance(tok.convert_tokens_to_ids(ch))
+    assert mask_of(guide, state, len(tok)) == {tok.eos_token_id}  # a 17th digit would leave the safe range
