@@ -5,13 +5,12 @@ logprobs, lm-eval's local-completions client for tasks), timed over HTTP on the 
 it sits in the table but not on the frontier, the plots or the recommendations."""
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 from eval.progress import StepProgress, no_progress
-from runtime.bench.timing import median
+from runtime.bench.timing import median, stream_times
 
 SIZE_LABEL = "served over HTTP: no size"
 URL_PREFIXES = ("http://", "https://")
@@ -66,24 +65,14 @@ def _timed_request(endpoint, prompt_ids: list[int], output_len: int) -> tuple[fl
     body = {"model": endpoint.model, "prompt": prompt_ids, "max_tokens": output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first = last = None
-    tokens = 0
     with requests.post(endpoint.completions_url, json=body, headers=endpoint.headers, stream=True, timeout=600) as r:
         if not r.ok:
             raise ConnectionError(f"{endpoint.completions_url} answered {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if any(c.get("text") for c in chunk.get("choices") or ()):
-                last = time.perf_counter()
-                first = first or last
-    if first is None or tokens < 2:
+        ttft, span, tokens = stream_times(r.iter_lines(), t0)
+    if ttft is None or tokens < 2:
         raise ValueError(f"{endpoint.url} streamed no tokens (or no usage): the speed needs streamed completions "
                          "with stream_options.include_usage and ignore_eos (vLLM and compress serve take them)")
-    return first - t0, last - first, tokens
+    return ttft, span, tokens
 
 
 def served_speed(url: str, cfg) -> dict:

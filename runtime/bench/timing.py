@@ -8,9 +8,11 @@ requests, then across runs. ``StepClock`` times transformers' ``generate`` the s
 """
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from runtime.bench.workload import Request
@@ -19,6 +21,24 @@ from runtime.bench.workload import Request
 def median(xs: list[float]) -> float | None:
     """The median, or None for no values (a row with nothing measured)."""
     return statistics.median(xs) if xs else None
+
+
+def stream_times(lines: Iterable[bytes], start: float) -> tuple[float | None, float | None, int]:
+    """An OpenAI-style server-sent event stream of completions, timed as it is read: (seconds from ``start`` to
+    the first chunk with text, seconds from it to the last, completion tokens from the usage chunk); None, None
+    where no text came. The served row of ``compress report`` reads a live server through this clock."""
+    first = last = None
+    tokens = 0
+    for line in lines:
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if any(c.get("text") for c in chunk.get("choices") or ()):
+            last = time.perf_counter()
+            first = first or last
+    return (None, None, tokens) if first is None else (first - start, last - first, tokens)
 
 
 class StepClock(list):

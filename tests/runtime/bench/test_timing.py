@@ -36,3 +36,19 @@ def test_median_and_step_clock():
         clock.put(None)
     clock.end()
     assert len(clock.steps) == 2 and clock.steps == clock[1:] and clock.steps[0] <= clock.steps[1]
+
+
+def test_stream_times_reads_first_and_last_text_chunks_and_the_usage():
+    import json
+    import time
+
+    from runtime.bench.timing import stream_times
+
+    def sse(obj) -> bytes:
+        return b"data: " + json.dumps(obj).encode()
+    lines = [b"", sse({"choices": [{"text": ""}]}), sse({"choices": [{"text": "a"}]}), b": keep-alive",
+             sse({"choices": [{"text": "b"}]}), sse({"choices": [], "usage": {"completion_tokens": 2}}), b"data: [DONE]"]
+    start = time.perf_counter()
+    ttft, span, tokens = stream_times(iter(lines), start)
+    assert tokens == 2 and 0 <= ttft and 0 <= span and ttft + span <= time.perf_counter() - start
+    assert stream_times(iter([b"data: [DONE]"]), start) == (None, None, 0)
