@@ -58,7 +58,7 @@ def linear_error(x: Tensor, weights: list[Tensor], dtype: torch.dtype | None = N
     """The MSE of the linears' concatenated outputs ``x @ w.T`` (``x [n, in]``) for candidate weights against the
     given ones: ``sum_i |x dW_i^T|^2 / (n out)``, through the Gram matrix ``x^T x`` where ``in < n`` (the same
     number, ``sum_i tr(dW_i G dW_i^T)``, at ``in / n`` of the products: 4.6x fewer for 4,096 rows of an
-    896-wide input), else on ``x`` itself, its products in ``dtype`` where given (the calibration's bfloat16)."""
+    896-wide input), else on ``x`` itself, its products in ``dtype`` where given (``search_dtype``)."""
     x = x.float()
     n, width = x.shape
     out = sum(w.shape[0] for w in weights)
@@ -76,9 +76,8 @@ def search_scale(x_mean: Tensor, weights: list[Tensor], scheme: Scheme, error: C
                  grid: int = 20, duo: bool = True, coarse: int = 0) -> ScaleResult:
     """Grid over r = k / grid in [0, 1) of ``s = x_mean ** r`` (with ``duo``: ``x_mean ** r / w_mean ** (1 - r)``, as
     AutoAWQ and llm-compressor do), minimising the output ``error`` of the fake-quantized scaled weights
-    (:func:`linear_error`, :func:`output_error`), every point or coarse to fine
-    (compress/methods/common/grid.py). r = 0 without
-    duo is plain RTN, always a candidate."""
+    (:func:`linear_error`, :func:`output_error`), every point or coarse to fine (compress/methods/common/grid.py).
+    r = 0 without duo is plain RTN, always a candidate."""
     x_mean = x_mean.float().clamp(min=1e-4)
     w_mean = weight_mean(weights, scheme).clamp(min=1e-4) if duo else None
     scales: dict[int, Tensor] = {}
@@ -169,7 +168,7 @@ def _group_error(block: nn.Module, sm: Smooth, sampler: Sampler, weights: list[T
                  autocast: torch.dtype | None = None) -> Callable[[list[Tensor]], float]:
     """The output error a smoothing scale is judged by, as a function of the group's weights: the linears' own
     concatenated outputs on the sampled rows, or the ``inspect`` module's (e.g. attention, the MLP) on whole sampled
-    batches, its forwards under ``autocast`` (the calibration's dtype) where given."""
+    batches, its forwards under ``autocast`` (``search_dtype``) where given."""
     if sm.inspect is None:
         return linear_error(sampler.x(sm.linears[0]), weights, autocast)
     inspect = block.get_submodule(sm.inspect)
