@@ -67,8 +67,16 @@ def _get_json(url: str, headers: dict[str, str], body: dict | None = None, timeo
     if r.status_code == 401:
         raise ConnectionError(f"{url} answered 401: pass the server's key with --api-key (or OPENAI_API_KEY)")
     if not r.ok:
-        raise ConnectionError(f"{url} answered {r.status_code}: {r.text[:500]}")
+        raise StatusError(f"{url} answered {r.status_code}: {r.text[:500]}", r.status_code)
     return r.json()
+
+
+class StatusError(ConnectionError):
+    """The server answered, with an HTTP error status (``status``)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 def connect(url: str, api_key: str | None = None, model: str | None = None, timeout: float = 30) -> Endpoint:
@@ -131,6 +139,21 @@ def _window_nll(endpoint: Endpoint, windows: Tensor) -> float:
                              "support echo=true with logprobs on /v1/completions (vLLM and compress serve do)")
         total -= math.fsum(lps)
     return total
+
+
+def check_echo(endpoint: Endpoint, tokenizer) -> None:
+    """ValueError unless the server returns prompt logprobs for an echo request, checked before anything is scored:
+    lm-eval's client would otherwise score every choice alike and report chance accuracy (llama-server refuses echo
+    or returns the generated token's logprob only: ggml-org/llama.cpp#27174, open as of 2026-12)."""
+    import torch
+
+    ids = tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"][:8]
+    try:
+        _window_nll(endpoint, torch.tensor([ids]))
+    except (ValueError, StatusError) as e:  # not a missing key or a server that is down: those say so themselves
+        raise ValueError(f"{endpoint.url} cannot be scored: its /v1/completions must return prompt logprobs for "
+                         "echo=true (compress serve and vLLM do; llama-server does not yet, ggml-org/llama.cpp"
+                         f"#27174). The server said: {e}") from e
 
 
 def served_perplexity(endpoint: Endpoint, tokenizer, texts: list[str], seqlen: int = 512,
@@ -222,6 +245,7 @@ def evaluate_server(target: ServerTarget, texts: dict[str, list[str]], tasks: li
     endpoint = connect(target.url, target.api_key, target.model)
     spec = tokenizer_spec(endpoint, target.tokenizer)
     tokenizer = load_tokenizer(resolve(spec))
+    check_echo(endpoint, tokenizer)
     name = f"{endpoint.model} @ {endpoint.url}"
     seconds, detail = {"load": time.perf_counter() - start}, {}
     for text, t in texts.items():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eval.perplexity import perplexity
-from eval.served import ServerTarget, connect, served_perplexity, server_root, tokenizer_spec
+from eval.served import ServerTarget, check_echo, connect, served_perplexity, server_root, tokenizer_spec
 
 KEY = "eval-key"
 
@@ -56,6 +56,7 @@ def test_served_perplexity_equals_in_process(served, fp_dir, text_file):
     endpoint = connect(served.url + "/v1", api_key=KEY)
     assert endpoint.model == str(fp_dir) and endpoint.max_model_len == 256
     tok = load_tokenizer(resolve(tokenizer_spec(endpoint, None)))  # the served folder, found from /v1/models
+    check_echo(endpoint, tok)  # compress serve returns prompt logprobs: nothing raised
     texts = [text_file.read_text()]
     model = AutoModelForCausalLM.from_pretrained(fp_dir, dtype=torch.float32).eval()
     want = perplexity(model, tok, texts, seqlen=64, max_windows=5, batch_size=2)
@@ -166,3 +167,45 @@ def test_table_names_the_served_column_and_has_no_size_for_it():
     table = format_table(EvalResult(base, served, delta, Settings(512, 4, None)))
     head, _, model, size = table.splitlines()[:4]
     assert head.split() == ["baseline", "served", "delta"] and size.split()[-2:] == ["-", "-"]
+
+
+@pytest.mark.parametrize("answer", ["refuse", "generated-only"])
+def test_a_server_without_prompt_logprobs_is_refused_before_scoring(answer, smol_tokenizer):
+    """llama-server's two answers to echo=true (ggml-org/llama.cpp#27174): a 400, or the generated token's logprob
+    alone. lm-eval would score every choice alike from the second; the check refuses both, naming the server's
+    limit."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send(200, {"data": [{"id": "model.gguf"}]})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if answer == "refuse":
+                self._send(400, {"error": {"message": "Only no echo is supported", "type": "invalid_request_error"}})
+            else:
+                lp = {"tokens": ["x"], "token_logprobs": [-1.0], "top_logprobs": [{"x": -1.0}], "text_offset": [0]}
+                self._send(200, {"choices": [{"index": 0, "text": "x", "logprobs": lp}]})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = connect(f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(ValueError, match="prompt logprobs for echo=true.*llama.cpp#27174"):
+            check_echo(endpoint, smol_tokenizer)
+    finally:
+        server.shutdown()
