@@ -147,17 +147,17 @@ def quantize(recipe, model_spec, out, calib, nsamples, seqlen, bits, group_size,
 
     def progress(done: int, total: int, unit: str = "block") -> None:  # restarts per pass (compress/calibrate.py)
         if done == 0 or bar.unit != unit or (done == 1 and bar.n != 0):
+            bar.unit = unit  # label first: reset() redraws, and would show the new count under the old pass's name
+            bar.set_description(f"{unit}s", refresh=False)
+            bar.set_postfix(refresh=False)
             bar.reset(total=total)
-            bar.set_description(f"{unit}s")
-            bar.unit = unit
-            bar.set_postfix()
         bar.update(done - bar.n)
 
     def train_progress(step: int, steps: int, loss: float) -> None:  # QAT / uptraining: the bar restarts per run
         if step == 1:
-            bar.reset(total=steps)
-            bar.set_description("train")
             bar.unit = "step"
+            bar.set_description("train", refresh=False)
+            bar.reset(total=steps)
         bar.set_postfix(kl=f"{loss:.4f}")
         bar.update(step - bar.n)
 
