@@ -139,6 +139,20 @@ def _first_tokens(inputs: BlockInputs, tokens: int) -> BlockInputs:
     return inputs.split(len(inputs.hidden) - keep)[0]
 
 
+def _carried_batches(run: Run, cfg: QuantizeConfig) -> list[Tensor]:
+    """The calibration batches the blocks carry: with RTN rounding and ``observe_tokens`` a dense model's blocks
+    read only the first fitting windows and the held-out ones, so the rest skip every block's forward (the same
+    result). GPTQ rounding, guided Hessians and MoE experts read every window."""
+    if cfg.awq.rounding == "gptq" or cfg.gptq.guided or not cfg.awq.observe_tokens or run.experts is not None:
+        return run.batches
+    fit = run.fit_batches
+    keep = min(len(fit), -(-cfg.awq.observe_tokens // fit[0].numel()))
+    if keep < len(fit):
+        log.info("awq reads %d of %d fitting batches (observe_tokens %d) and %d held out: carrying only those",
+                 keep, len(fit), cfg.awq.observe_tokens, run.holdout)
+    return fit[:keep] + run.held_batches
+
+
 def _held_hessians(block: nn.Module, linears: dict[str, nn.Linear], held: BlockInputs, cfg: QuantizeConfig
                    ) -> dict[str, Tensor]:
     """Each linear's Hessian on the held-out windows, which only judge (products in the search's dtype)."""
@@ -382,4 +396,5 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
             swap_linear(block, name, lin, qw)
         if run.experts is not None:
             run.report.layers.extend(run.experts(i, block, inputs, partial(quantize_expert, cfg=cfg)))
-    run_sequential(model, run.batches, per_block, run.progress, autocast_of(cfg.calib_dtype), run.store)
+    run_sequential(model, _carried_batches(run, cfg), per_block, run.progress, autocast_of(cfg.calib_dtype),
+                   run.store)

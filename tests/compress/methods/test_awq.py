@@ -39,3 +39,37 @@ def test_linear_error_in_bfloat16_is_the_same_number_to_bf16_precision():
     cand = [quant.fake_quantize(w, Scheme(4, 32, False))]
     exact, low = awq.linear_error(x, [w])(cand), awq.linear_error(x, [w], torch.bfloat16)(cand)
     assert low != exact and abs(low - exact) / exact < 2e-2
+
+
+def test_windows_awq_never_reads_skip_the_blocks_with_the_same_result(monkeypatch):
+    """With RTN rounding and observe_tokens, a dense model's blocks carry only the first fitting windows and the
+    held-out ones: bit for bit what carrying every window writes, with fewer windows through each block."""
+    import copy
+
+    from tiny_models import tiny_model
+
+    from compress import calibrate
+    from compress.config import QuantizeConfig
+    from compress.pipeline import quantize_model
+
+    g = torch.Generator().manual_seed(5)
+    batches = list(torch.randint(0, 256, (16, 32), generator=g).split(2))  # 8 batches of 2 x 32 tokens
+    cfg = QuantizeConfig.from_flat(method="awq", bits=4, group_size=32, search_tokens=64, observe_tokens=128,
+                                   fallback=True, holdout=0.25)
+    base = tiny_model("llama")
+    carried = []
+    real = calibrate.run_sequential
+
+    def spy(model, batches, *args, **kwargs):
+        carried.append(len(batches))
+        return real(model, batches, *args, **kwargs)
+
+    monkeypatch.setattr(awq, "run_sequential", spy)
+    trimmed = copy.deepcopy(base)
+    quantize_model(trimmed, cfg, batches)
+    monkeypatch.setattr(awq, "_carried_batches", lambda run, cfg: run.batches)
+    full = copy.deepcopy(base)
+    quantize_model(full, cfg, batches)
+    assert carried == [4, 8]  # 2 fitting batches hold the 128 observed tokens, plus the 2 held out
+    a, b = trimmed.state_dict(), full.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
