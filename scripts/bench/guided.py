@@ -6,7 +6,9 @@ decoding speed with a JSON-schema constraint against unconstrained, at batch 1 a
 
 ``mask`` times ``fill_next_token_bitmask`` alone on random walks under the mask (one thread); ``cost`` alternates
 constrained and unconstrained runs (the first run of a process warms kernels up and is dropped) and reports each
-side's best run, since a shared CPU only ever makes a run slower.
+side's best run, since a shared CPU only ever makes a run slower: output tok/s over the whole run, and TPOT (a
+request's time from its first token to its last, per token after the first: a JSON answer that closes before
+``--tokens`` would otherwise spread its prompt's prefill over fewer tokens).
 """
 from __future__ import annotations
 
@@ -89,17 +91,28 @@ def cost(args) -> None:
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True, tokenize=False),
                    add_special_tokens=False)["input_ids"] for a in ask * 4]
     for batch in (1, 16):
-        best = {}
+        best, tpot = {}, {}
         for r in range(args.rounds + 1):
             for name, extra in (("unconstrained", {"ignore_eos": True}), ("json-schema", {"guide": guide})):
                 params = [SamplingParams(max_tokens=args.tokens, temperature=0.7, seed=i, **extra) for i in range(batch)]
                 t0 = time.perf_counter()
-                n = sum(o.completion_tokens for o in engine.generate(prompts[:batch], params))
+                done = engine.generate(prompts[:batch], params)
+                n = sum(o.completion_tokens for o in done)
                 if r:
                     best[name] = max(best.get(name, 0.0), n / (time.perf_counter() - t0))
+                    tpot.setdefault(name, []).append(_tpot(done))
         ratio = best["json-schema"] / best["unconstrained"]
+        fast = {k: min(v) * 1e3 for k, v in tpot.items()}
         print(f"batch {batch:2d}: unconstrained {best['unconstrained']:6.1f} tok/s, json-schema {best['json-schema']:6.1f} "
-              f"tok/s ({ratio:.2f}x)")
+              f"tok/s ({ratio:.2f}x); TPOT {fast['unconstrained']:.2f} against {fast['json-schema']:.2f} ms "
+              f"({fast['json-schema'] / fast['unconstrained'] - 1:+.1%})")
+
+
+def _tpot(done) -> float:
+    """Median seconds a token after each request's first (the prompt's prefill and short outputs do not count)."""
+    per = sorted((o.finish_time - o.first_token_time) / (o.completion_tokens - 1) for o in done
+                 if o.first_token_time is not None and o.completion_tokens > 1)
+    return per[len(per) // 2]
 
 
 def main(argv: list[str] | None = None) -> None:
