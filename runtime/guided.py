@@ -258,8 +258,13 @@ class Guides:
 
 
 def _tagged_json(source: dict):
-    """``begin`` + a compact JSON value of ``schema`` + ``end`` (the shape of a tool call)."""
+    """``begin`` + a compact JSON value of ``schema`` + ``end`` (the shape of a tool call), or any one of the
+    ``source["any"]`` such forms (one per function, where the name sits in ``begin``)."""
     import xgrammar as xgr
+
+    if "any" in source:
+        forms = [_tagged_json(one) for one in source["any"]]
+        return xgr.Grammar.union(*forms) if len(forms) > 1 else forms[0]
 
     parts = [xgr.Grammar.from_json_schema(json.dumps(bounded(source["schema"])), any_whitespace=False)]
     if source["begin"]:

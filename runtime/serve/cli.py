@@ -56,7 +56,8 @@ SERVE_OPTIONS = (
     click.option("--tool-call-parser", default="hermes", show_default=True,
                  type=click.Choice(["hermes", "llama3_json", "mistral"]),
                  help="How the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5/3, Hermes), llama3_json, or "
-                 "mistral ([TOOL_CALLS] and a JSON array of calls)."),
+                 "mistral ([TOOL_CALLS] and a JSON array of calls; [TOOL_CALLS]name[ARGS]{...} per call where the "
+                 "tokenizer holds [ARGS], v11 and later)."),
 )
 
 

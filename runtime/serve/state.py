@@ -11,7 +11,7 @@ from runtime.serve.engine_loop import EngineLoop
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.openai_protocol import APIError
 from runtime.serve.serving import RequestRunner
-from runtime.serve.tool_calls import FORMATS, ToolFormat
+from runtime.serve.tool_calls import ToolFormat, format_for
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class ServeState:
 
     @property
     def tool_format(self) -> ToolFormat:
-        return FORMATS[self.config.tool_call_parser]
+        return format_for(self.config.tool_call_parser, getattr(self.engine, "tokenizer", None))
 
     def check(self, req) -> None:
         """400 for a field this server does not implement, 404 for a model it does not serve."""

@@ -4,8 +4,10 @@ into OpenAI ``tool_calls``; and the grammar that makes ``tool_choice`` "required
 A format is how a model writes its calls: ``begin`` + a JSON object naming the function and its arguments + ``end``
 for each call (Hermes/Qwen2.5/Qwen3: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``; Llama 3.x:
 a bare ``{"name": ..., "parameters": {...}}``), or ``begin`` once and then all the calls as one JSON array (Mistral:
-``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``). The server picks one with ``--tool-call-parser``
-(vLLM's flag, same names). The tools themselves reach the model through its own chat template (``tools=``), which
+``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``), or ``begin`` + the bare name + ``args_marker`` + the
+arguments' JSON for each call (Mistral tokenizers v11 and later: ``[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}``).
+The server picks one with ``--tool-call-parser`` (vLLM's flag, same names; ``mistral`` takes the v11 form where
+the tokenizer holds ``[ARGS]`` as a special token, as vLLM's parser does by tokenizer version). The tools themselves reach the model through its own chat template (``tools=``), which
 says how to call them; with "required" or a named function the output is constrained to calls of the offered
 functions, whose arguments follow their JSON-schema ``parameters``, so even a 135M model returns a valid call. A
 marker the tokenizer holds as a special token (Mistral's ``[TOOL_CALLS]``) is kept in the text of tool requests.
@@ -31,10 +33,13 @@ class ToolFormat:
     args_key: str  # the JSON key holding the arguments
     array: bool = False  # all calls in one JSON array after ``begin``, rather than ``begin`` + object + ``end`` each
     id_chars: int = 0  # call ids of this many letters and digits (the model's template refuses others); 0: call_<hex>
+    args_marker: str = ""  # set: each call is begin + name + args_marker + the arguments' JSON (no JSON name key)
 
     def __post_init__(self):
-        if self.array and not self.begin.strip():
-            raise ValueError("an array tool-call format needs a begin marker to find the array by")
+        if (self.array or self.args_marker) and not self.begin.strip():
+            raise ValueError("an array or named tool-call format needs a begin marker to find the calls by")
+        if self.array and self.args_marker:
+            raise ValueError("a tool-call format is an array of JSON calls or named calls, not both")
         if self.id_chars < 0:
             raise ValueError(f"id_chars={self.id_chars} must be >= 0")
 
@@ -50,7 +55,17 @@ FORMATS = {
     # Mistral 7B v0.3, Mixtral 8x22B, Nemo, Small (tokenizers before v11): ids are 9 letters/digits or the template
     # raises
     "mistral": ToolFormat("[TOOL_CALLS] ", "", "arguments", array=True, id_chars=9),
+    # Mistral tokenizers v11 and later (Small 3.2, Magistral, Devstral): [TOOL_CALLS]name[ARGS]{...} per call
+    "mistral_v11": ToolFormat("[TOOL_CALLS]", "", "arguments", id_chars=9, args_marker="[ARGS]"),
 }
+# a parser name -> the format to use instead where the tokenizer holds that special token
+BY_TOKENIZER = {"mistral": ("[ARGS]", "mistral_v11")}
+
+
+def format_for(parser: str, tokenizer) -> ToolFormat:
+    """The format of ``--tool-call-parser parser`` for this tokenizer (Mistral's by its special tokens)."""
+    special, other = BY_TOKENIZER.get(parser, (None, parser))
+    return FORMATS[other if special in getattr(tokenizer, "all_special_tokens", ()) else parser]
 
 
 def call_schema(tools: list[dict], fmt: ToolFormat, name: str | None = None) -> dict:
@@ -66,6 +81,11 @@ def call_schema(tools: list[dict], fmt: ToolFormat, name: str | None = None) -> 
 def guide_spec(tools: list[dict], fmt: ToolFormat, name: str | None = None, parallel: bool = False) -> GuideSpec:
     """Output constrained to one call of ``name`` (tool_choice naming a function) or of any tool ("required"); an
     array format with ``parallel`` (and no ``name``) may hold several calls."""
+    if fmt.args_marker:  # the name sits outside the JSON: one call, its begin naming a function (any offered one)
+        alternatives = [{"begin": f"{fmt.begin}{fn['name']}{fmt.args_marker}", "end": fmt.end,
+                         "schema": fn.get("parameters") or {"type": "object", "properties": {}}}
+                        for fn in (t["function"] for t in tools) if name is None or fn["name"] == name]
+        return GuideSpec("tagged_json", json.dumps({"any": alternatives}, sort_keys=True))
     schema = call_schema(tools, fmt, name)
     if fmt.array:
         most = {} if parallel and name is None else {"maxItems": 1}
@@ -129,11 +149,40 @@ def _parse_array(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
     return content or None, calls
 
 
+def _parse_named(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
+    """``begin name args_marker {...}`` calls from the first ``begin``: each whole call, up to the first that is
+    not (a call cut short is dropped, other text after the calls is content)."""
+    marker, dec = fmt.begin.strip(), json.JSONDecoder()
+    at = text.find(marker)
+    if at < 0:
+        return text, []
+    calls, i = [], at
+    while text.startswith(marker, i):
+        sep = text.find(fmt.args_marker, i + len(marker))
+        name = text[i + len(marker):sep].strip() if sep >= 0 else ""
+        j = sep + len(fmt.args_marker)
+        j += len(text[j:]) - len(text[j:].lstrip())
+        try:
+            args, j = dec.raw_decode(text, j)
+        except json.JSONDecodeError:
+            break
+        if not name or any(c.isspace() for c in name) or not isinstance(args, dict):
+            break
+        calls.append(_call({"name": name, fmt.args_key: args}, fmt))
+        i = j + len(text[j:]) - len(text[j:].lstrip())
+    if not calls:
+        return text, []
+    rest = "" if text.startswith(marker, i) else text[i:]
+    return (text[:at] + rest).strip() or None, calls
+
+
 def closed_calls(text: str, fmt: ToolFormat) -> list[dict]:
     """The calls an unfinished output has closed so far, each as ``parse`` of the finished output will find it: in
     an array, the calls a "," or "]" followed; tagged calls up to the last end tag; bare JSON only when finished."""
     if fmt.array:
         return _parse_array(text, fmt)[1]
+    if fmt.args_marker:  # a call is whole once its arguments' JSON closes
+        return _parse_named(text, fmt)[1]
     end = fmt.end.strip()
     cut = text.rfind(end) if end else -1
     return parse(text[:cut + len(end)], fmt)[1] if cut >= 0 else []
@@ -143,6 +192,8 @@ def parse(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
     """``(content, tool_calls)`` of a finished output; text that is not a well-formed call stays content."""
     if fmt.array:
         return _parse_array(text, fmt)
+    if fmt.args_marker:
+        return _parse_named(text, fmt)
     if not fmt.begin:  # bare JSON: the whole output is one call, or several joined by ";"
         try:
             calls = [_call(json.loads(part), fmt) for part in text.split(";") if part.strip()]

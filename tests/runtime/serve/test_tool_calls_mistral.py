@@ -90,19 +90,24 @@ def test_round_trip_through_the_template():
             {**back[0], "id": "call_0123456789abcdef"}]}], tokenize=False)
 
 
-@pytest.fixture(scope="module")
-def mistral_served(tmp_path_factory):
+def serve_tiny_mistral(path, tok) -> Served:
+    """A tiny random Mistral with ``tok`` saved at ``path``, served with ``--tool-call-parser mistral``."""
+    import torch
     from tiny_models import tiny_config
     from transformers import AutoModelForCausalLM
 
-    tok = mistral_tokenizer()
+    torch.manual_seed(0)  # the same random model whichever tests ran before (they move the global generator)
     cfg = tiny_config("mistral", vocab=len(tok))
     cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
-    path = tmp_path_factory.mktemp("tiny-mistral")
     AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(path)
     tok.save_pretrained(path)
     engine = Engine(EngineConfig(model=str(path), max_model_len=256, kv_cache_memory=8 << 20, block_size=16))
-    s = Served(engine, model_name="tiny", api_key="test-key", tool_call_parser="mistral")
+    return Served(engine, model_name="tiny", api_key="test-key", tool_call_parser="mistral")
+
+
+@pytest.fixture(scope="module")
+def mistral_served(tmp_path_factory):
+    s = serve_tiny_mistral(tmp_path_factory.mktemp("tiny-mistral"), mistral_tokenizer())
     yield s
     s.close()
 
