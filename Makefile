@@ -46,12 +46,12 @@ bench-cpu: setup
 	test -d $(OUT) || $(BIN)/compress quantize --recipe awq4 --out $(OUT)
 	$(BIN)/python scripts/bench/cpu_speed.py --model $(OUT) --repeats 3 --parallel 8,16,32
 
-# Our GGUF exports (gptq4-q4_0, awq4-q4_1, qat4) against llama-quantize in llama-perplexity, on a quiet machine.
 # issue 36: engine vs llama.cpp's Q4_K_M on random 0.5B- and 1B-shaped models (artifacts cached in out/shapes)
 bench-shapes: setup
 	bash scripts/bench/llamacpp.sh
 	$(BIN)/python scripts/bench/shapes.py --shape 0.5b,1b --repeats 3 --json out/shapes/shapes.json
 
+# Our GGUF exports (gptq4-q4_0, awq4-q4_1, qat4) against llama-quantize in llama-perplexity, on a quiet machine.
 bench-gguf: setup
 	bash scripts/bench/llamacpp.sh
 	$(BIN)/python scripts/bench/gguf_vs_llamacpp.py --speed --greedy --json out/gguf-bench.json
