@@ -227,7 +227,7 @@ class Options:
 
 
 def validate(a: argparse.Namespace, known: Iterable[str], parse_levels) -> Options:
-    """The options, or ValueError naming the bad one."""
+    """The options, or ValueError naming the bad one; --work made absolute (the stages run from the repository root)."""
     if a.repeats < 1:
         raise ValueError(f"--repeats {a.repeats} must be >= 1")
     if a.layers is not None and a.layers < 1:
@@ -236,7 +236,7 @@ def validate(a: argparse.Namespace, known: Iterable[str], parse_levels) -> Optio
         raise ValueError(f"--threads {a.threads} must be >= 1")
     if not a.bandwidth_gib >= 0.25:
         raise ValueError(f"--bandwidth-gib {a.bandwidth_gib} must be >= 0.25: a smaller buffer measures caches")
-    return Options(parse_shapes(a.shape, known), a.layers, Path(a.work), a.repeats, parse_levels(a.parallel),
+    return Options(parse_shapes(a.shape, known), a.layers, Path(a.work).resolve(), a.repeats, parse_levels(a.parallel),
                    parse_levels(a.prompts, "--prompts", "128,512"), a.threads, a.bandwidth_gib)
 
 

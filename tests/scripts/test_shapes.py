@@ -55,7 +55,7 @@ def _args(sh, *extra):
 def test_validate_defaults(sh, cs):
     o = sh.validate(_args(sh), SHAPES, cs.parse_levels)
     assert (o.shapes, o.layers, o.repeats, o.levels, o.prompts) == (["0.5b"], None, 3, [16], [128, 512])
-    assert o.work == Path("out/shapes")
+    assert o.work == Path("out/shapes").resolve() and o.work.is_absolute()
 
 
 @pytest.mark.parametrize("extra, match", [(["--repeats", "0"], "--repeats 0"), (["--layers", "0"], "--layers 0"),
