@@ -14,14 +14,15 @@ layers, for quick runs; names end in -Nl):
   random-S-rtn4.gguf   compress export --format gguf of the rtn4 checkpoint: the engine's integers, losslessly (group
                        64 asymmetric -> Q4_1, each 32-wide block repeating its group's scale and min; the tied int8
                        table -> Q8_0)
-Then the read bandwidth is measured once (cpu_speed.read_bandwidth), and per shape the engine, llama.cpp on the
-Q4_K_M and llama.cpp on our GGUF run in turn for --repeats interleaved repeats (scripts/bench/cpu_speed.py's
-machinery); rows are medians. Bytes a decode token reads: the engine's are traced from one batch-1 decode step
-(runtime/bench/reads.py: the weights as its kernels hold them); llama.cpp's are the GGUF's tensors, of which the
-token embedding is read one row a token unless it is also the (tied) output head. The KV cache is left out on
-both sides (under 1% here: a few hundred bytes a layer per context token). Bandwidth used = bytes a token x tg128
-tok/s; its share is against the measured read bandwidth. Prints one markdown table per shape, and writes all
-figures, per-repeat numbers and stage times as JSON (--json, default WORK/shapes.json).
+Then the read bandwidth is measured once (cpu_speed.read_bandwidth; beside it the same sum over 1 MiB, in cache:
+if that is not well above it, the sum is compute-bound and the bandwidth shares are upper bounds), and per shape
+the engine, llama.cpp on the Q4_K_M and llama.cpp on our GGUF run in turn for --repeats interleaved repeats
+(scripts/bench/cpu_speed.py's machinery); rows are medians. Bytes a decode token reads: the engine's are traced from
+one batch-1 decode step (runtime/bench/reads.py: the weights as its kernels hold them); llama.cpp's are the GGUF's
+tensors, of which the token embedding is read one row a token unless it is also the (tied) output head. The KV cache
+is left out on both sides (under 1% here: a few hundred bytes a layer per context token). Bandwidth used = bytes a
+token x tg128 tok/s; its share is against the measured read bandwidth. Prints one markdown table per shape, and
+writes all figures, per-repeat numbers and stage times as JSON (--json, default WORK/shapes.json).
 """
 from __future__ import annotations
 
@@ -146,6 +147,17 @@ def format_reads(token_bytes: dict[str, int | None], decode: dict[str, float | N
         lines.append(f"| {header} | {_cell(b and b / 2**20)} | {_cell(tok)} | {_cell(used and used / GB, '{:.2f}')} | "
                      f"{_cell(share(used, bandwidth), '{:.0%}')} |")
     return "\n".join(lines)
+
+
+def cpu_label(cpuinfo: str, name: str) -> str:
+    """``name`` with the first CPU's family, model and stepping from /proc/cpuinfo's text: a VM may show only
+    'AMD EPYC', and these numbers still tell the generation (family 25 model 17: Zen 4)."""
+    ids = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("cpu family", "model", "stepping") and key.strip() not in ids:
+            ids[key.strip()] = value.strip()
+    return f"{name} ({', '.join(f'{k} {v}' for k, v in ids.items())})" if ids else name
 
 
 def describe(config: dict) -> str:
@@ -302,14 +314,20 @@ def main(argv: list[str] | None = None) -> None:
     arts = {s: artifact_paths(o.work, s, o.layers) for s in o.shapes}
     stage_times = {s: make_artifacts(arts[s], s, o.layers, bin_dir, threads) for s in o.shapes}
     bandwidth = cs.read_bandwidth(o.bandwidth_gib)
-    meta = {"cpu": cs.cpu_model_name(Path("/proc/cpuinfo").read_text()), "threads": threads,
+    in_cache = cs.sum_rate(1 << 20, loops=1000)  # the same sum from L2: far above `bandwidth` if that is memory-bound
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    meta = {"cpu": cpu_label(cpuinfo, cs.cpu_model_name(cpuinfo)), "threads": threads,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "read_bandwidth_gbs": bandwidth / GB,
+            "sum_in_cache_gbs": in_cache / GB,
             "command": shlex.join([sys.executable, *sys.argv]), "repeats": o.repeats, "parallel": o.levels,
             "prompts": o.prompts, "layers": o.layers, "torch": torch.__version__, "llamacpp_bin": str(bin_dir),
             "stage_seconds": stage_times}
     print(f"CPU: {meta['cpu']} | threads: {threads} | date: {meta['date']} | read bandwidth {bandwidth / GB:.1f} GB/s "
-          f"(best of 5 sums over {o.bandwidth_gib:g} GiB) | medians of {o.repeats} repeat(s)")
+          f"(best of 5 sums over {o.bandwidth_gib:g} GiB; the same sum in cache: {in_cache / GB:.1f} GB/s) | "
+          f"medians of {o.repeats} repeat(s)")
     print(f"command: {meta['command']}")
+    made = [f"{name} {sec:.0f} s" for times in stage_times.values() for name, sec in times.items()]
+    print(f"made this run: {', '.join(made) or 'nothing (all artifacts cached)'}")
     out = {"meta": meta, "shapes": {}}
     rng = random.Random(a.seed)
     for s in o.shapes:

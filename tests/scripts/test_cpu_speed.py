@@ -165,9 +165,12 @@ def test_llamacpp_repeat_runs_every_prompt_length_in_one_call(cs, tmp_path):
     assert not (tmp_path / "llama-batched-bench.args").exists()  # no levels: no batched run
 
 
-def test_read_bandwidth_is_bytes_over_seconds(cs):
+def test_read_bandwidth_is_bytes_over_seconds(cs, monkeypatch):
     bw = cs.read_bandwidth(gib=1 / 64, tries=2)  # a small buffer: only the arithmetic is under test
     assert 1e8 < bw < 1e13
+    clock = iter([0.0, 2.0, 10.0, 11.0])  # two tries: 2 s, then 1 s for two loops
+    monkeypatch.setattr(cs.time, "perf_counter", lambda: next(clock))
+    assert cs.sum_rate(4096, tries=2, loops=2) == pytest.approx(4096 / 0.5)  # the best try, per sum
 
 
 def test_cpu_speed_prompts_option(cs):

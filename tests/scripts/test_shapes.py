@@ -111,3 +111,10 @@ def test_describe(sh):
     config = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
               "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True}
     assert sh.describe(config) == "hidden 896, 24 layers, 14/2 heads, MLP 4864, vocab 151936, tied"
+
+
+def test_cpu_label(sh):
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n" \
+           "stepping\t: 1\nprocessor\t: 1\ncpu family\t: 99\n"
+    assert sh.cpu_label(text, "AMD EPYC") == "AMD EPYC (cpu family 25, model 17, stepping 1)"
+    assert sh.cpu_label("", "unknown CPU") == "unknown CPU"
