@@ -284,11 +284,15 @@ def report_shape(shape: str, config: dict, res: dict, bandwidth: float, gen: int
     print(format_reads(res["token_bytes"], decode, bandwidth))
 
 
-def shape_json(res: dict, config: dict, art: Artifacts) -> dict:
-    """One shape's results for the JSON file: rows as dicts with their ratios."""
+def shape_json(res: dict, config: dict, art: Artifacts, bandwidth: float, gen: int) -> dict:
+    """One shape's results for the JSON file: rows as dicts with their ratios, and each side's decode bandwidth."""
     rows = [{"key": r.key, "label": r.label, **r.values, **{f"engine/{k}": r.ratio(k) for k in SIDES if k != "engine"}}
             for r in res["rows"]]
-    return {**res, "rows": rows, "config": describe(config), "artifacts": {k: str(v) for k, v in asdict(art).items()}}
+    decode = next(r for r in res["rows"] if r.key == f"tg{gen}").values
+    used = {s: bandwidth_used(b, decode.get(s)) for s, b in res["token_bytes"].items()}
+    return {**res, "rows": rows, "config": describe(config), "artifacts": {k: str(v) for k, v in asdict(art).items()},
+            "decode_gbs": {s: u and u / GB for s, u in used.items()},
+            "bandwidth_share": {s: share(u, bandwidth) for s, u in used.items()}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -334,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         config = json.loads((arts[s].fp / "config.json").read_text())
         res = measure_shape(cs, o, arts[s], bin_dir, threads, rng)
         report_shape(s, config, res, bandwidth, cs.GEN)
-        out["shapes"][s] = shape_json(res, config, arts[s])
+        out["shapes"][s] = shape_json(res, config, arts[s], bandwidth, cs.GEN)
         gc.collect()  # the shape's engine, before the next one is built
     path = Path(a.json or o.work / "shapes.json")
     path.write_text(json.dumps(out, indent=2, default=str))

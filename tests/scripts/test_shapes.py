@@ -1,6 +1,7 @@
 """The pure parts of scripts/bench/shapes.py: artifact names, option checks, GGUF bytes a token reads, bandwidth
 shares, the tables (no llama.cpp, no model)."""
 import ast
+import json
 import sys
 from pathlib import Path
 
@@ -118,3 +119,17 @@ def test_cpu_label(sh):
            "stepping\t: 1\nprocessor\t: 1\ncpu family\t: 99\n"
     assert sh.cpu_label(text, "AMD EPYC") == "AMD EPYC (cpu family 25, model 17, stepping 1)"
     assert sh.cpu_label("", "unknown CPU") == "unknown CPU"
+
+
+def test_shape_json_carries_ratios_and_bandwidth_shares(sh, tmp_path):
+    rows = [sh.SpeedRow("tg128 tok/s", "tg128", {"engine": 50.0, "q4km": 40.0, "ours": None})]
+    res = {"rows": rows, "token_bytes": {"engine": 10**8, "q4km": 2 * 10**8, "ours": 10**8}}
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+              "intermediate_size": 128, "vocab_size": 1000}
+    got = sh.shape_json(res, config, sh.artifact_paths(tmp_path, "1b", 2), 20e9, 128)
+    assert got["rows"][0]["engine/q4km"] == pytest.approx(1.25) and got["rows"][0]["engine/ours"] is None
+    assert got["decode_gbs"] == {"engine": pytest.approx(5.0), "q4km": pytest.approx(8.0), "ours": None}
+    assert got["bandwidth_share"] == {"engine": pytest.approx(0.25), "q4km": pytest.approx(0.4), "ours": None}
+    assert got["config"].endswith("vocab 1000, untied")
+    assert got["artifacts"]["q4km"].endswith("random-1b-2l-q4_k_m.gguf")
+    json.dumps(got)  # plain data
