@@ -3,7 +3,7 @@ batch-1 prompts (pp128, pp512), batch-1 decode (tg128) and 16 parallel sequences
 measured read bandwidth each side's batch-1 decode uses.
 
   .venv/bin/python scripts/bench/shapes.py --shape 0.5b,1b --repeats 3 [--work out/shapes] [--layers N]
-      [--threads T] [--parallel 16] [--prompts 128,512] [--llamacpp-bin DIR] [--json PATH]
+      [--threads T] [--parallel 16] [--prompts 128,512] [--llamacpp-bin DIR] [--json PATH] [--prepare-only]
 
 Per shape, every artifact is made once under --work and reused when present (--layers N: the shape's first N
 layers, for quick runs; names end in -Nl):
@@ -221,6 +221,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="buffer of the read-bandwidth measurement")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="default: WORK/shapes.json")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="make the missing artifacts and stop (on a busy machine; measure later on a quiet one)")
     return ap.parse_args(argv)
 
 
@@ -317,6 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     o.work.mkdir(parents=True, exist_ok=True)
     arts = {s: artifact_paths(o.work, s, o.layers) for s in o.shapes}
     stage_times = {s: make_artifacts(arts[s], s, o.layers, bin_dir, threads) for s in o.shapes}
+    if a.prepare_only:
+        print(json.dumps({s: {"artifacts": {k: str(v) for k, v in asdict(arts[s]).items()}, "seconds": stage_times[s]}
+                          for s in o.shapes}, indent=2))
+        return
     bandwidth = cs.read_bandwidth(o.bandwidth_gib)
     in_cache = cs.sum_rate(1 << 20, loops=1000)  # the same sum from L2: far above `bandwidth` if that is memory-bound
     cpuinfo = Path("/proc/cpuinfo").read_text()

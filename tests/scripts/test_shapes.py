@@ -133,3 +133,17 @@ def test_shape_json_carries_ratios_and_bandwidth_shares(sh, tmp_path):
     assert got["config"].endswith("vocab 1000, untied")
     assert got["artifacts"]["q4km"].endswith("random-1b-2l-q4_k_m.gguf")
     json.dumps(got)  # plain data
+
+
+def test_prepare_only_skips_what_exists(sh, tmp_path, capsys):
+    """Every artifact present: nothing is run (no llama.cpp, no quantize), the paths are listed, no measuring."""
+    art = sh.artifact_paths(tmp_path, "0.5b", 2)
+    for folder in (art.fp, art.rtn4):
+        folder.mkdir()
+    for f in (art.f16, art.q4km, art.ours):
+        f.write_bytes(b"")
+    sh.main(["--shape", "0.5b", "--layers", "2", "--work", str(tmp_path), "--llamacpp-bin", str(tmp_path / "none"),
+             "--prepare-only"])
+    got = json.loads(capsys.readouterr().out)
+    assert got == {"0.5b": {"artifacts": {k: str(getattr(art, k)) for k in ("fp", "rtn4", "f16", "q4km", "ours")},
+                            "seconds": {}}}
