@@ -1,0 +1,335 @@
+// The decode rows of a Llama-form decoder in one native call (runtime/kernels/native_step.py builds it and
+// runtime/models/llama.py calls it): every layer's norms, rotary, KV append into the paged cache, decode
+// attention, the W8A8 linears (qkv, o, gate_up, down), the activation and the residual adds, then the final norm.
+//
+// In eager torch a batch-1 step of SmolLM2-135M is ~30 layers x a dozen calls, and each linear opened its own
+// parallel region (fork, join). Here one parallel region runs the whole step; its threads split each linear's
+// 16-row weight tiles, the attention's (sequence, KV head) units, and meet at 5 barriers a layer (after qkv,
+// attention, o, gate_up, down). Work too small to share (quantizing a row's activations to int8, a norm of
+// 576 values, the activation of the gate) is done by every thread on its own copy instead of by one thread
+// between two barriers; thread 0 alone writes the residual stream back, after the next barrier.
+//
+// Numerics are the fused ops' (fused_rows.h, qgemv.h, paged_attention.h: the same functions), op for op: the same
+// roundings of the compute dtype between ops, the same int8 activations, the same softmax. Where units split a
+// sequence's keys (long contexts, many threads) they merge as decode_attention.cpp's op merges them.
+#include "fused_rows.h"
+#include "paged_attention.h"
+#include "qgemv.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using namespace compress_cpu;
+
+enum { QKV, O, GATE_UP, DOWN };
+
+struct Linear {
+  at::Tensor w, scale, szero, lut, bias;  // bias in the compute dtype, or undefined
+  QWeight q;
+  std::vector<int32_t> gidx;  // weight group of each 32-block of the input
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, k_cache, v_cache;
+  int64_t window;  // 0: none
+  std::vector<Linear> lin;  // QKV, O, GATE_UP, DOWN
+};
+
+// one thread's copies: the normalized row(s), the stream's next value, int8 activations, attention scratch
+template <typename T>
+struct Private {
+  std::vector<T> h, s, act;
+  std::vector<int8_t> xq;
+  std::vector<float> sa, gsum, a, qf, scores, o;
+  std::vector<int64_t> rows;
+};
+
+class DecodeStep : public torch::CustomClassHolder {
+ public:
+  // cos, sin: the rotary's fp32 tables [positions, D/2] (runtime/models/layers.py's Rotary, whole head rotated)
+  DecodeStep(int64_t hq, int64_t hkv, int64_t d, int64_t hidden, int64_t inter, double eps, double offset,
+             double scale, int64_t act, at::Tensor final_norm, at::Tensor cos, at::Tensor sin)
+      : hq_(hq), hkv_(hkv), d_(d), hidden_(hidden), inter_(inter), eps_(eps), offset_(offset), scale_(scale),
+        act_(act), final_norm_(final_norm), cos_(cos), sin_(sin) {
+    TORCH_CHECK(has_vnni(), "the native decode step needs AVX512-VNNI, which this build of the kernels lacks");
+    TORCH_CHECK(hq % hkv == 0 && d % 2 == 0 && d <= 1024 && act >= 0 && act <= 2, "bad heads, head_dim or act");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) * 2 == d && sin.sizes() == cos.sizes()
+                && cos.is_contiguous() && sin.is_contiguous(), "cos/sin: contiguous fp32 [positions, head_dim / 2]");
+    check_cpu(final_norm, "final_norm");
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache,
+                 int64_t window) {
+    for (const at::Tensor* t : {&input_norm, &post_norm})
+      TORCH_CHECK(t->numel() == hidden_ && t->is_contiguous() && t->scalar_type() == final_norm_.scalar_type(),
+                  "norm weights: [hidden] in the compute dtype");
+    for (const at::Tensor* t : {&k_cache, &v_cache})
+      TORCH_CHECK(t->dim() == 4 && t->size(2) == hkv_ && t->size(3) == d_ && t->is_contiguous() &&
+                  t->scalar_type() == final_norm_.scalar_type(), "caches: [blocks, block, Hkv, D] in the compute dtype");
+    layers_.push_back({input_norm, post_norm, k_cache, v_cache, window, {}});
+  }
+
+  // the last added layer's next linear, in the order qkv, o, gate_up, down (qgemv.cpp's w8a8_linear arguments)
+  void add_linear(at::Tensor w, at::Tensor scale, at::Tensor szero, int64_t bits, int64_t group, int64_t n_out,
+                  std::optional<at::Tensor> lut, std::optional<at::Tensor> bias) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().lin.size() < 4, "add_layer first; four linears a layer");
+    const int64_t which = static_cast<int64_t>(layers_.back().lin.size());
+    const int64_t k = which == DOWN ? inter_ : which == O ? hq_ * d_ : hidden_;
+    const int64_t want = which == QKV ? (hq_ + 2 * hkv_) * d_ : which == GATE_UP ? 2 * inter_ : hidden_;
+    TORCH_CHECK(n_out == want && w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) * 8 == k * 16 * bits &&
+                k % group == 0 && group % QB == 0 && (bits == 4 || bits == 8), "linear ", which, ": a [", want, ", ",
+                k, "] weight in qgemv.cpp's tiles");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0) * (k / group) * 16 &&
+                szero.sizes() == scale.sizes(), "scale/szero: fp32 [tiles, groups, 16]");
+    Linear l{w, scale, szero, lut.value_or(at::Tensor()), bias.value_or(at::Tensor()), {}, {}};
+    TORCH_CHECK(!l.lut.defined() || (l.lut.scalar_type() == at::kByte && l.lut.numel() == 16 && bits == 4), "lut");
+    TORCH_CHECK(!l.bias.defined() || (l.bias.numel() == n_out && l.bias.scalar_type() == final_norm_.scalar_type()),
+                "bias: [n_out] in the compute dtype");
+    l.q = {w.data_ptr<uint8_t>(), scale.data_ptr<float>(), szero.data_ptr<float>(),
+           l.lut.defined() ? l.lut.data_ptr<uint8_t>() : nullptr, bits, group, k, n_out, w.size(0)};
+    for (int64_t b = 0; b < k / QB; ++b) l.gidx.push_back(static_cast<int32_t>(b * QB / group));
+    layers_.back().lin.push_back(std::move(l));
+  }
+
+  // x [B, hidden]: the embedded tokens, the residual stream (in place); positions, slots int64 [B]; block_tables
+  // int32 [B, W], seq_lens int32 [B] (the new token included). Returns the final norm of the stream [B, hidden].
+  at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens);
+
+ private:
+  template <typename T>
+  struct Run;
+
+  int64_t hq_, hkv_, d_, hidden_, inter_;
+  double eps_, offset_, scale_;
+  int64_t act_;
+  at::Tensor final_norm_, cos_, sin_;
+  std::vector<Layer> layers_;
+};
+
+template <typename T>
+struct DecodeStep::Run {
+  const DecodeStep& m;
+  T* x;
+  const int64_t* positions;
+  const int64_t* slots;
+  const at::Tensor& tables;
+  const int32_t* lens;
+  T* out;
+  int64_t b;
+  // shared between the threads
+  std::vector<T> cs, qkv, attn, delta, gu;
+  std::vector<Plan> plans;   // one per layer (windows differ)
+  std::vector<Problem> problems;
+  std::vector<float> stats;
+  int64_t qkv_dim = 0;
+
+  void go();
+  void prepare(int64_t threads);
+  void layer(int64_t li, Private<T>& p, int64_t tid, int64_t nt);
+  void linear(const Linear& l, const T* in, T* dst, Private<T>& p, int64_t tid, int64_t nt);
+  void attention(int64_t li, Private<T>& p, int64_t tid, int64_t nt);
+  void rope_and_store(int64_t li, int64_t seq, int64_t g0, int64_t g1);
+  // p.h <- norm(stream + delta) on this thread's copy p.s of the stream (delta null: the stream as it is)
+  void norm(const T* delta, const at::Tensor& w, Private<T>& p) {
+    const T* wp = w.data_ptr<T>();
+    std::memcpy(p.s.data(), x, sizeof(T) * b * m.hidden_);
+    for (int64_t r = 0; r < b; ++r)
+      rms_row(p.s.data() + r * m.hidden_, delta == nullptr ? nullptr : delta + r * m.hidden_, wp,
+              p.h.data() + r * m.hidden_, m.hidden_, static_cast<float>(m.eps_), static_cast<float>(m.offset_));
+  }
+};
+
+template <typename T>
+void DecodeStep::Run<T>::prepare(int64_t threads) {
+  const int64_t d = m.d_, half = d / 2;
+  qkv_dim = (m.hq_ + 2 * m.hkv_) * d;
+  cs.resize(b * 2 * d);  // per sequence: cos row [c, c], sin row [-s, s], rounded to T as the Rotary module does
+  for (int64_t i = 0; i < b; ++i) {
+    const float* c = m.cos_.data_ptr<float>() + positions[i] * half;
+    const float* s = m.sin_.data_ptr<float>() + positions[i] * half;
+    for (int64_t j = 0; j < d; ++j) {
+      st(cs.data(), i * 2 * d + j, c[j % half]);
+      st(cs.data(), i * 2 * d + d + j, j < half ? -s[j] : s[j - half]);
+    }
+  }
+  qkv.resize(b * qkv_dim);
+  attn.resize(b * m.hq_ * d);
+  delta.resize(b * m.hidden_);
+  gu.resize(b * 2 * m.inter_);
+  size_t most = 0;
+  for (const Layer& l : m.layers_) {
+    const Problem pr{qkv_dim, d, m.hq_, m.hkv_, d, l.k_cache.size(1), tables.size(1), l.window,
+                     static_cast<float>(m.scale_), 0.f, tables.data_ptr<int32_t>(), lens};
+    problems.push_back(pr);
+    plans.push_back(plan_units(pr, b, threads, true));
+    most = std::max(most, plans.back().units.size());
+  }
+  stats.resize(most * m.hq_ * (d + 2));
+}
+
+template <typename T>
+void DecodeStep::Run<T>::go() {
+  const int64_t threads = at::get_num_threads();
+  prepare(threads);
+  const int64_t n_layers = static_cast<int64_t>(m.layers_.size());
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    Private<T> p;
+    p.h.resize(b * m.hidden_);
+    p.s.resize(b * m.hidden_);
+    p.act.resize(b * m.inter_);
+    p.xq.resize(b * std::max(m.inter_, std::max(m.hidden_, m.hq_ * m.d_)));
+    p.sa.resize(p.xq.size() / QB);
+    p.gsum.resize(p.xq.size() / QB);
+    p.a.resize(m.inter_);
+    p.o.resize(m.d_);
+    norm(nullptr, m.layers_[0].input_norm, p);
+    for (int64_t li = 0; li < n_layers; ++li) layer(li, p, tid, nt);
+#pragma omp barrier
+    if (tid == 0) {  // the stream's last value, and its final norm
+      std::memcpy(x, p.s.data(), sizeof(T) * b * m.hidden_);
+      std::memcpy(out, p.h.data(), sizeof(T) * b * m.hidden_);
+    }
+  }
+}
+
+// one layer; on entry p.h is this layer's normalized input and p.s the stream's value (thread 0 stores it), on exit
+// p.h is the next layer's input (or the final norm) and p.s the stream after this layer
+template <typename T>
+void DecodeStep::Run<T>::layer(int64_t li, Private<T>& p, int64_t tid, int64_t nt) {
+  const Layer& l = m.layers_[li];
+  linear(l.lin[QKV], p.h.data(), qkv.data(), p, tid, nt);
+#pragma omp barrier
+  if (tid == 0) std::memcpy(x, p.s.data(), sizeof(T) * b * m.hidden_);  // past a barrier: every thread has read x
+  attention(li, p, tid, nt);
+  linear(l.lin[O], attn.data(), delta.data(), p, tid, nt);
+#pragma omp barrier
+  norm(delta.data(), l.post_norm, p);
+  linear(l.lin[GATE_UP], p.h.data(), gu.data(), p, tid, nt);
+#pragma omp barrier
+  if (tid == 0) std::memcpy(x, p.s.data(), sizeof(T) * b * m.hidden_);
+  for (int64_t r = 0; r < b; ++r)
+    act_row(gu.data() + r * 2 * m.inter_, p.act.data() + r * m.inter_, m.inter_, m.act_, p.a.data());
+  linear(l.lin[DOWN], p.act.data(), delta.data(), p, tid, nt);
+#pragma omp barrier
+  const bool last = li + 1 == static_cast<int64_t>(m.layers_.size());
+  norm(delta.data(), last ? m.final_norm_ : m.layers_[li + 1].input_norm, p);
+}
+
+// dst [B, n_out] <- in [B, K] through l: this thread's share of the tiles, from its own int8 copy of `in`
+template <typename T>
+void DecodeStep::Run<T>::linear(const Linear& l, const T* in, T* dst, Private<T>& p, int64_t tid, int64_t nt) {
+  const QWeight& q = l.q;
+  const int64_t t0 = q.tiles * tid / nt, t1 = q.tiles * (tid + 1) / nt;
+  if (t0 == t1) return;
+  quantize_rows<T>(in, b, q.k, q.group, p.xq.data(), p.sa.data(), p.gsum.data());
+  gemv_range<T>(q, p.xq.data(), p.sa.data(), p.gsum.data(), l.gidx.data(), dst, b, t0, t1);
+  if (l.bias.defined()) {  // y + bias.to(y.dtype), as W8A8Linear adds it
+    const T* bias = l.bias.data_ptr<T>();
+    const int64_t c0 = t0 * 16, c1 = std::min(t1 * 16, q.n_out);
+    for (int64_t r = 0; r < b; ++r)
+      for (int64_t c = c0; c < c1; ++c) st(dst, r * q.n_out + c, ld(dst, r * q.n_out + c) + ld(bias, c));
+  }
+}
+
+// KV heads [g0, g1) of sequence seq: rotate their k and their query heads, store k and v at the token's slot
+template <typename T>
+void DecodeStep::Run<T>::rope_and_store(int64_t li, int64_t seq, int64_t g0, int64_t g1) {
+  const Layer& l = m.layers_[li];
+  const int64_t d = m.d_, hq = m.hq_, hkv = m.hkv_, group = hq / hkv;
+  T* row = qkv.data() + seq * qkv_dim;
+  const T* c = cs.data() + seq * 2 * d;
+  for (int64_t h = g0 * group; h < g1 * group; ++h) rope_row(row + h * d, c, c + d, d);
+  for (int64_t g = g0; g < g1; ++g) {
+    rope_row(row + (hq + g) * d, c, c + d, d);
+    const int64_t at = (slots[seq] * hkv + g) * d;
+    std::memcpy(l.k_cache.data_ptr<T>() + at, row + (hq + g) * d, sizeof(T) * d);
+    std::memcpy(l.v_cache.data_ptr<T>() + at, row + (hq + hkv + g) * d, sizeof(T) * d);
+  }
+}
+
+// attn [B, Hq * D] <- attention of this layer; ends with every thread past a barrier
+template <typename T>
+void DecodeStep::Run<T>::attention(int64_t li, Private<T>& p, int64_t tid, int64_t nt) {
+  const Layer& l = m.layers_[li];
+  const Plan& plan = plans[li];
+  const Problem& pr = problems[li];
+  const int64_t n_units = static_cast<int64_t>(plan.units.size()), stride = m.hq_ * (m.d_ + 2);
+  const int64_t group = m.hq_ / m.hkv_;
+  const T* kc = l.k_cache.data_ptr<T>();
+  const T* vc = l.v_cache.data_ptr<T>();
+  bool whole = true;  // no sequence's keys split: each unit owns its heads, start to end
+  for (const Unit& u : plan.units) whole = whole && u.whole;
+  if (!whole) {  // every head rotated and stored before any unit reads the keys
+    for (int64_t i = tid; i < b * m.hkv_; i += nt) rope_and_store(li, i / m.hkv_, i % m.hkv_, i % m.hkv_ + 1);
+#pragma omp barrier
+  }
+  for (int64_t i = tid; i < n_units; i += nt) {
+    const Unit& u = plan.units[i];
+    if (whole) rope_and_store(li, u.b, u.g0, u.g1);
+    attend(u, pr, qkv.data(), kc, vc, static_cast<const at::Half*>(nullptr), static_cast<const at::Half*>(nullptr),
+           stats.data() + i * stride, p.qf, p.scores, p.rows);
+    if (whole)
+      for (int64_t h = u.g0 * group; h < u.g1 * group; ++h) merge_head(pr, plan, stats.data(), u.b, h, attn.data(),
+                                                                     p.o.data());
+  }
+#pragma omp barrier
+  if (!whole) {
+    for (int64_t i = tid; i < b * m.hq_; i += nt) merge_head(pr, plan, stats.data(), i / m.hq_, i % m.hq_,
+                                                             attn.data(), p.o.data());
+#pragma omp barrier
+  }
+}
+
+at::Tensor DecodeStep::run(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
+                         at::Tensor seq_lens) {
+  check_cpu(x, "x");
+  const int64_t b = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == final_norm_.scalar_type(),
+              "x: [B, hidden] in the compute dtype");
+  TORCH_CHECK(!layers_.empty() && layers_.back().lin.size() == 4, "every layer needs its four linears");
+  for (const at::Tensor* t : {&positions, &slots, &block_tables, &seq_lens}) check_cpu(*t, "metadata");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.numel() == b &&
+              slots.numel() == b, "positions and slots: int64 [B]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              block_tables.dim() == 2 && block_tables.size(0) == b && seq_lens.numel() == b,
+              "block_tables int32 [B, W], seq_lens int32 [B]");
+  const int64_t capacity = layers_[0].k_cache.size(0) * layers_[0].k_cache.size(1);
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t pos = positions.data_ptr<int64_t>()[i], slot = slots.data_ptr<int64_t>()[i];
+    TORCH_CHECK(pos >= 0 && pos < cos_.size(0) && slot >= 0 && slot < capacity, "position ", pos, " or slot ", slot,
+                " out of range");
+    const int64_t len = seq_lens.data_ptr<int32_t>()[i];
+    TORCH_CHECK(len >= 1 && (len - 1) / layers_[0].k_cache.size(1) < block_tables.size(1), "sequence ", i, " of ",
+                len, " tokens: empty, or longer than its block table");
+  }
+  auto out = at::empty_like(x);
+  if (b == 0) return out;
+  DISPATCH_F32_BF16(x.scalar_type(), "decode_step", [&] {
+    Run<scalar_t> r{*this, x.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+                    block_tables, seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), b};
+    r.go();
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(compress_cpu, m) {
+  m.class_<DecodeStep>("DecodeStep")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, at::Tensor,
+                       at::Tensor, at::Tensor>())
+      .def("add_layer", &DecodeStep::add_layer)
+      .def("add_linear", &DecodeStep::add_linear)
+      .def("run", &DecodeStep::run);
+}
