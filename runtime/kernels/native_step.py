@@ -6,7 +6,7 @@ norms and KV cache in C++, and one ``run`` goes from the embedded tokens to the 
 append, decode attention, the linears, the activation and the residual adds, inside one parallel region.
 
 It takes the Llama form: pre norms (Gemma's ``1 + w`` too), one rotary over whole heads, optional q/k/v biases,
-MHA/GQA/MQA, sliding windows, a gated MLP, every linear on the W8A8 VNNI kernel, a KV cache in the compute dtype.
+optional per-head q/k norms (Qwen3), MHA/GQA/MQA, sliding windows, a gated MLP, every linear on the W8A8 VNNI kernel, a KV cache in the compute dtype.
 What a layer needs beyond that is data (:func:`layer_needs`); the runner builds the step once at load only when no
 layer needs anything (:func:`build`) and logs which path it chose and why. Prefill rows, verification rows (several
 queries a sequence) and a model it refuses keep the per-op path (runtime/models/blocks.py).
@@ -43,8 +43,8 @@ def layer_needs(layer: nn.Module, cfg: ModelConfig, index: int) -> list[str]:
     attn, needs = layer.self_attn, []
     if cfg.arch.norms != "pre":
         needs.append(f"{cfg.arch.norms} norms")
-    if attn.q_norm is not None:
-        needs.append("q/k norms")
+    if attn.norm_proj:
+        needs.append("q/k norms over the whole projections")
     if attn.clip is not None:
         needs.append("clip_qkv")
     if attn.softcap is not None:
@@ -90,8 +90,9 @@ class NativeStep:
             cfg.arch.norm_offset, attn0.scale, ACTIVATIONS[cfg.act][1], model.norm.weight, rotary.cos, rotary.sin)
         for layer in model.layers:
             attn = layer.self_attn
+            qk = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
             self.step.add_layer(layer.input_norm.weight, layer.norms[2].weight, attn.k_cache, attn.v_cache,
-                                attn.window or 0)
+                                attn.window or 0, *qk)
             for parent, name in LINEARS:
                 k = w8a8_kernel(getattr(getattr(layer, parent), name))
                 bias = None if k.bias is None else k.bias.to(dtype)

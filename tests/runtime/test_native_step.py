@@ -1,6 +1,6 @@
 """The native decode step (runtime/kernels/native_step.py, cpu/decode_step.cpp) against the per-op path it replaces:
 the same greedy tokens in fp32 and the same logits in bf16, for each form it takes (GQA, MHA, MQA, biases, sliding
-windows, Gemma's norm offset), on one and two threads, keys split or not; and every layer it cannot take keeps the
+windows, Gemma's norm offset, Qwen3's q/k norms), on one and two threads, keys split or not; and every layer it cannot take keeps the
 per-op path, with the reason logged."""
 import logging
 
@@ -25,6 +25,7 @@ FORMS = {  # name: (family, config overrides)
     "qwen2-qkv-bias": ("qwen2", {}),
     "mistral-window": ("mistral", {"sliding_window": 8}),
     "gemma-offset": ("gemma", {}),
+    "qwen3-qk-norms": ("qwen3", {}),
 }
 
 
@@ -68,7 +69,7 @@ def _logits(path: str, dtype: str, native: bool, prompt: list[int], forced: list
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("form", ["llama-gqa", "qwen2-qkv-bias", "gemma-offset"])
+@pytest.mark.parametrize("form", ["llama-gqa", "qwen2-qkv-bias", "gemma-offset", "qwen3-qk-norms"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_logits_equal_the_per_op_path(tmp_path, form, threads):
     """bf16: the step runs the per-op path's kernels op for op, with the same roundings in between, so the logits
@@ -99,7 +100,7 @@ def test_long_context_splits_keys_across_threads(tmp_path):
 
 
 @pytest.mark.parametrize("family,quantized,options,reason", [
-    ("qwen3", True, {}, "q/k norms"),
+    ("olmoe", True, {}, "q/k norms over the whole projections"),
     ("gemma2", True, {}, "sandwich norms"),
     ("olmo2", True, {}, "post norms"),
     ("phi3", True, {}, "partial or per-layer rotary"),

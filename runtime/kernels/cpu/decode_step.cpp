@@ -41,6 +41,7 @@ struct Linear {
 struct Layer {
   at::Tensor input_norm, post_norm, k_cache, v_cache;
   int64_t window;  // 0: none
+  at::Tensor q_norm, k_norm;  // per-head RMSNorm weights [D] before rotary (Qwen3), or undefined
   std::vector<Linear> lin;  // QKV, O, GATE_UP, DOWN
 };
 
@@ -68,14 +69,19 @@ class DecodeStep : public torch::CustomClassHolder {
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache,
-                 int64_t window) {
+                 int64_t window, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+    for (const auto* t : {&q_norm, &k_norm})
+      TORCH_CHECK(!t->has_value() || ((*t)->numel() == d_ && (*t)->is_contiguous() &&
+                  (*t)->scalar_type() == final_norm_.scalar_type()), "q/k norm weights: [head_dim], compute dtype");
     for (const at::Tensor* t : {&input_norm, &post_norm})
       TORCH_CHECK(t->numel() == hidden_ && t->is_contiguous() && t->scalar_type() == final_norm_.scalar_type(),
                   "norm weights: [hidden] in the compute dtype");
     for (const at::Tensor* t : {&k_cache, &v_cache})
       TORCH_CHECK(t->dim() == 4 && t->size(2) == hkv_ && t->size(3) == d_ && t->is_contiguous() &&
                   t->scalar_type() == final_norm_.scalar_type(), "caches: [blocks, block, Hkv, D] in the compute dtype");
-    layers_.push_back({input_norm, post_norm, k_cache, v_cache, window, {}});
+    layers_.push_back({input_norm, post_norm, k_cache, v_cache, window, q_norm.value_or(at::Tensor()),
+                       k_norm.value_or(at::Tensor()), {}});
   }
 
   // the last added layer's next linear, in the order qkv, o, gate_up, down (qgemv.cpp's w8a8_linear arguments)
@@ -242,16 +248,24 @@ void DecodeStep::Run<T>::linear(const Linear& l, const T* in, T* dst, Private<T>
   }
 }
 
-// KV heads [g0, g1) of sequence seq: rotate their k and their query heads, store k and v at the token's slot
+// KV heads [g0, g1) of sequence seq: normalize (q/k norms) and rotate their k and their query heads, store k and v
+// at the token's slot
 template <typename T>
 void DecodeStep::Run<T>::rope_and_store(int64_t li, int64_t seq, int64_t g0, int64_t g1) {
   const Layer& l = m.layers_[li];
   const int64_t d = m.d_, hq = m.hq_, hkv = m.hkv_, group = hq / hkv;
   T* row = qkv.data() + seq * qkv_dim;
   const T* c = cs.data() + seq * 2 * d;
-  for (int64_t h = g0 * group; h < g1 * group; ++h) rope_row(row + h * d, c, c + d, d);
+  const float eps = static_cast<float>(m.eps_), offset = static_cast<float>(m.offset_);
+  const bool qk = l.q_norm.defined();
+  for (int64_t h = g0 * group; h < g1 * group; ++h) {
+    if (qk) rms_row(row + h * d, static_cast<const T*>(nullptr), l.q_norm.data_ptr<T>(), row + h * d, d, eps, offset);
+    rope_row(row + h * d, c, c + d, d);
+  }
   for (int64_t g = g0; g < g1; ++g) {
-    rope_row(row + (hq + g) * d, c, c + d, d);
+    T* k = row + (hq + g) * d;
+    if (qk) rms_row(k, static_cast<const T*>(nullptr), l.k_norm.data_ptr<T>(), k, d, eps, offset);
+    rope_row(k, c, c + d, d);
     const int64_t at = (slots[seq] * hkv + g) * d;
     std::memcpy(l.k_cache.data_ptr<T>() + at, row + (hq + g) * d, sizeof(T) * d);
     std::memcpy(l.v_cache.data_ptr<T>() + at, row + (hq + hkv + g) * d, sizeof(T) * d);
