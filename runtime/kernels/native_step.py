@@ -6,7 +6,8 @@ norms and KV cache in C++, and one ``run`` goes from the embedded tokens to the 
 append, decode attention, the linears, the activation and the residual adds, inside one parallel region.
 
 It takes the Llama form: pre norms (Gemma's ``1 + w`` too), one rotary over whole heads, optional q/k/v biases,
-optional per-head q/k norms (Qwen3), MHA/GQA/MQA, sliding windows, a gated MLP, every linear on the W8A8 VNNI kernel, a KV cache in the compute dtype.
+optional per-head q/k norms (Qwen3), MHA/GQA/MQA, sliding windows, a gated MLP, every linear on the W8A8 VNNI kernel, a KV cache in the compute dtype or
+8-bit (int8 or fp8 codes with fp16 scales, runtime/kernels/kv_quant.py).
 What a layer needs beyond that is data (:func:`layer_needs`); the runner builds the step once at load only when no
 layer needs anything (:func:`build`) and logs which path it chose and why. Prefill rows, verification rows (several
 queries a sequence) and a model it refuses keep the per-op path (runtime/models/blocks.py).
@@ -51,8 +52,6 @@ def layer_needs(layer: nn.Module, cfg: ModelConfig, index: int) -> list[str]:
         needs.append("attention soft-capping")
     if layer.residual_multiplier is not None:
         needs.append("a residual multiplier")
-    if attn.k_scale is not None:
-        needs.append("an 8-bit KV cache")
     if cfg.moe is not None and index in cfg.moe.sparse_layers:
         needs.append("a sparse MoE MLP")
         return needs
@@ -92,7 +91,7 @@ class NativeStep:
             attn = layer.self_attn
             qk = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
             self.step.add_layer(layer.input_norm.weight, layer.norms[2].weight, attn.k_cache, attn.v_cache,
-                                attn.window or 0, *qk)
+                                attn.window or 0, *qk, attn.k_scale, attn.v_scale)
             for parent, name in LINEARS:
                 k = w8a8_kernel(getattr(getattr(layer, parent), name))
                 bias = None if k.bias is None else k.bias.to(dtype)

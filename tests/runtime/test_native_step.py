@@ -1,6 +1,6 @@
 """The native decode step (runtime/kernels/native_step.py, cpu/decode_step.cpp) against the per-op path it replaces:
 the same greedy tokens in fp32 and the same logits in bf16, for each form it takes (GQA, MHA, MQA, biases, sliding
-windows, Gemma's norm offset, Qwen3's q/k norms), on one and two threads, keys split or not; and every layer it cannot take keeps the
+windows, Gemma's norm offset, Qwen3's q/k norms, 8-bit KV caches), on one and two threads, keys split or not; and every layer it cannot take keeps the
 per-op path, with the reason logged."""
 import logging
 
@@ -43,14 +43,16 @@ def _counting(runner: ModelRunner) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("form", sorted(FORMS))
-def test_greedy_tokens_equal_the_per_op_path(tmp_path, form):
-    """fp32, batched decode of ragged prompts (prefill chunks between): the same tokens with and without the step."""
+@pytest.mark.parametrize("form,kv", [(f, "auto") for f in sorted(FORMS)] + [("llama-gqa", "int8"),
+                                                                             ("qwen2-qkv-bias", "fp8_e4m3")])
+def test_greedy_tokens_equal_the_per_op_path(tmp_path, form, kv):
+    """fp32, batched decode of ragged prompts (prefill chunks between): the same tokens with and without the step,
+    with a KV cache in the compute dtype or 8-bit."""
     path = _rtn4(tmp_path, *FORMS[form])
     ps, outs = prompts(256), []
     for native in (True, False):
         engine = Engine(EngineConfig(model=path, dtype="float32", kv_cache_memory=1 << 22, block_size=4,
-                                     max_num_batched_tokens=16, native_decode_step=native))
+                                     max_num_batched_tokens=16, native_decode_step=native, kv_cache_dtype=kv))
         assert (engine.runner.model.native_step is not None) is native
         calls = _counting(engine.runner) if native else []
         outs.append([o.token_ids for o in engine.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True))])
@@ -106,7 +108,6 @@ def test_long_context_splits_keys_across_threads(tmp_path):
     ("phi3", True, {}, "partial or per-layer rotary"),
     ("granite", True, {}, "a residual multiplier"),
     ("mixtral", True, {}, "a sparse MoE MLP"),
-    ("llama", True, {"kv_cache_dtype": "int8"}, "an 8-bit KV cache"),
     ("llama", False, {}, "not w8a8"),
     ("llama", True, {"fused_cpu_kernels": False}, "the torch path"),
     ("llama", True, {"native_decode_step": False}, "native_decode_step=False"),

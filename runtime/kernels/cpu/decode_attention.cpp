@@ -44,23 +44,6 @@ void decode_attention_kernel(const Problem& p, const T* q, const C* kc, const C*
     for (int64_t h = 0; h < p.hq; ++h) merge_head(p, plan, stats.data(), b, h, out, o);
 }
 
-// Calls f(C{}) with C the cache's code type: int8, fp8 e4m3, or T itself (a cache in the compute dtype)
-template <typename T, typename F>
-void dispatch_codes(const at::Tensor& cache, bool scaled, F&& f) {
-  const auto type = cache.scalar_type();
-  TORCH_CHECK(scaled == (type == at::kChar || type == at::kFloat8_e4m3fn), "an int8 or fp8_e4m3 cache needs its "
-              "fp16 scales (and only such a cache has them); got a ", type, " cache ", scaled ? "with" : "without",
-              " scales");
-  if (type == at::kChar) {
-    f(int8_t{});
-  } else if (type == at::kFloat8_e4m3fn) {
-    f(Fp8{});
-  } else {
-    TORCH_CHECK(type == c10::CppTypeToScalarType<T>::value, "q and the caches must share a dtype");
-    f(T{});
-  }
-}
-
 void check_scales(const at::Tensor& scales, const at::Tensor& cache, const char* name) {
   check_cpu(scales, name);
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == cache.size(0) &&
@@ -108,25 +91,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     });
   });
   return out;
-}
-
-// one token-head row x [D] -> codes and fp16 scale, as quantize_kv computes them (same fp32 operations)
-template <typename T, typename C>
-void quantize_row(const T* x, int64_t d, C* codes, at::Half* scale) {
-  constexpr float qmax = std::is_same_v<C, int8_t> ? 127.f : 448.f;
-  float amax = 0.f;
-  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(ld(x, i)));
-  const at::Half s16(std::min(amax / qmax, 65504.f));
-  const float s = static_cast<float>(s16), div = s > 0.f ? s : 1.f;
-  for (int64_t i = 0; i < d; ++i) {
-    const float y = std::min(std::max(ld(x, i) / div, -qmax), qmax);
-    if constexpr (std::is_same_v<C, int8_t>) {
-      codes[i] = static_cast<int8_t>(std::nearbyint(y));  // half to even, as torch.round
-    } else {
-      codes[i] = Fp8(y);
-    }
-  }
-  *scale = s16;
 }
 
 // 8-bit caches [blocks, block, Hkv, D] and their scales [blocks, block, Hkv] at `slots` [T] <- k, v [T, Hkv, D]

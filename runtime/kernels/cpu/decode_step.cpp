@@ -42,6 +42,7 @@ struct Layer {
   at::Tensor input_norm, post_norm, k_cache, v_cache;
   int64_t window;  // 0: none
   at::Tensor q_norm, k_norm;  // per-head RMSNorm weights [D] before rotary (Qwen3), or undefined
+  at::Tensor k_scale, v_scale;  // an 8-bit cache's fp16 scales [blocks, block, Hkv], or undefined
   std::vector<Linear> lin;  // QKV, O, GATE_UP, DOWN
 };
 
@@ -69,7 +70,8 @@ class DecodeStep : public torch::CustomClassHolder {
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache,
-                 int64_t window, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm) {
+                 int64_t window, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+                 std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
     for (const auto* t : {&q_norm, &k_norm})
       TORCH_CHECK(!t->has_value() || ((*t)->numel() == d_ && (*t)->is_contiguous() &&
@@ -77,11 +79,19 @@ class DecodeStep : public torch::CustomClassHolder {
     for (const at::Tensor* t : {&input_norm, &post_norm})
       TORCH_CHECK(t->numel() == hidden_ && t->is_contiguous() && t->scalar_type() == final_norm_.scalar_type(),
                   "norm weights: [hidden] in the compute dtype");
+    const bool coded = k_scale.has_value();  // an int8 or fp8 cache (dispatch_codes checks which)
+    TORCH_CHECK(coded == v_scale.has_value(), "k_scale and v_scale come together");
+    TORCH_CHECK(layers_.empty() || k_cache.scalar_type() == layers_[0].k_cache.scalar_type(), "one cache dtype");
     for (const at::Tensor* t : {&k_cache, &v_cache})
       TORCH_CHECK(t->dim() == 4 && t->size(2) == hkv_ && t->size(3) == d_ && t->is_contiguous() &&
-                  t->scalar_type() == final_norm_.scalar_type(), "caches: [blocks, block, Hkv, D] in the compute dtype");
+                  (coded || t->scalar_type() == final_norm_.scalar_type()) && t->sizes() == k_cache.sizes(),
+                  "caches: [blocks, block, Hkv, D], in the compute dtype or 8-bit codes with scales");
+    for (const auto* t : {&k_scale, &v_scale})
+      TORCH_CHECK(!coded || ((*t)->scalar_type() == at::kHalf && (*t)->is_contiguous() &&
+                  (*t)->sizes() == k_cache.sizes().slice(0, 3)), "scales: fp16 [blocks, block, Hkv]");
     layers_.push_back({input_norm, post_norm, k_cache, v_cache, window, q_norm.value_or(at::Tensor()),
-                       k_norm.value_or(at::Tensor()), {}});
+                       k_norm.value_or(at::Tensor()), k_scale.value_or(at::Tensor()), v_scale.value_or(at::Tensor()),
+                       {}});
   }
 
   // the last added layer's next linear, in the order qkv, o, gate_up, down (qgemv.cpp's w8a8_linear arguments)
@@ -111,7 +121,7 @@ class DecodeStep : public torch::CustomClassHolder {
   at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens);
 
  private:
-  template <typename T>
+  template <typename T, typename C>
   struct Run;
 
   int64_t hq_, hkv_, d_, hidden_, inter_;
@@ -121,7 +131,8 @@ class DecodeStep : public torch::CustomClassHolder {
   std::vector<Layer> layers_;
 };
 
-template <typename T>
+// one step in compute dtype T over a cache of C (T itself, or int8 / fp8 codes with fp16 scales)
+template <typename T, typename C>
 struct DecodeStep::Run {
   const DecodeStep& m;
   T* x;
@@ -154,8 +165,8 @@ struct DecodeStep::Run {
   }
 };
 
-template <typename T>
-void DecodeStep::Run<T>::prepare(int64_t threads) {
+template <typename T, typename C>
+void DecodeStep::Run<T, C>::prepare(int64_t threads) {
   const int64_t d = m.d_, half = d / 2;
   qkv_dim = (m.hq_ + 2 * m.hkv_) * d;
   cs.resize(b * 2 * d);  // per sequence: cos row [c, c], sin row [-s, s], rounded to T as the Rotary module does
@@ -182,8 +193,8 @@ void DecodeStep::Run<T>::prepare(int64_t threads) {
   stats.resize(most * m.hq_ * (d + 2));
 }
 
-template <typename T>
-void DecodeStep::Run<T>::go() {
+template <typename T, typename C>
+void DecodeStep::Run<T, C>::go() {
   const int64_t threads = at::get_num_threads();
   prepare(threads);
   const int64_t n_layers = static_cast<int64_t>(m.layers_.size());
@@ -211,8 +222,8 @@ void DecodeStep::Run<T>::go() {
 
 // one layer; on entry p.h is this layer's normalized input and p.s the stream's value (thread 0 stores it), on exit
 // p.h is the next layer's input (or the final norm) and p.s the stream after this layer
-template <typename T>
-void DecodeStep::Run<T>::layer(int64_t li, Private<T>& p, int64_t tid, int64_t nt) {
+template <typename T, typename C>
+void DecodeStep::Run<T, C>::layer(int64_t li, Private<T>& p, int64_t tid, int64_t nt) {
   const Layer& l = m.layers_[li];
   linear(l.lin[QKV], p.h.data(), qkv.data(), p, tid, nt);
 #pragma omp barrier
@@ -233,8 +244,8 @@ void DecodeStep::Run<T>::layer(int64_t li, Private<T>& p, int64_t tid, int64_t n
 }
 
 // dst [B, n_out] <- in [B, K] through l: this thread's share of the tiles, from its own int8 copy of `in`
-template <typename T>
-void DecodeStep::Run<T>::linear(const Linear& l, const T* in, T* dst, Private<T>& p, int64_t tid, int64_t nt) {
+template <typename T, typename C>
+void DecodeStep::Run<T, C>::linear(const Linear& l, const T* in, T* dst, Private<T>& p, int64_t tid, int64_t nt) {
   const QWeight& q = l.q;
   const int64_t t0 = q.tiles * tid / nt, t1 = q.tiles * (tid + 1) / nt;
   if (t0 == t1) return;
@@ -250,8 +261,8 @@ void DecodeStep::Run<T>::linear(const Linear& l, const T* in, T* dst, Private<T>
 
 // KV heads [g0, g1) of sequence seq: normalize (q/k norms) and rotate their k and their query heads, store k and v
 // at the token's slot
-template <typename T>
-void DecodeStep::Run<T>::rope_and_store(int64_t li, int64_t seq, int64_t g0, int64_t g1) {
+template <typename T, typename C>
+void DecodeStep::Run<T, C>::rope_and_store(int64_t li, int64_t seq, int64_t g0, int64_t g1) {
   const Layer& l = m.layers_[li];
   const int64_t d = m.d_, hq = m.hq_, hkv = m.hkv_, group = hq / hkv;
   T* row = qkv.data() + seq * qkv_dim;
@@ -266,22 +277,31 @@ void DecodeStep::Run<T>::rope_and_store(int64_t li, int64_t seq, int64_t g0, int
     T* k = row + (hq + g) * d;
     if (qk) rms_row(k, static_cast<const T*>(nullptr), l.k_norm.data_ptr<T>(), k, d, eps, offset);
     rope_row(k, c, c + d, d);
-    const int64_t at = (slots[seq] * hkv + g) * d;
-    std::memcpy(l.k_cache.data_ptr<T>() + at, row + (hq + g) * d, sizeof(T) * d);
-    std::memcpy(l.v_cache.data_ptr<T>() + at, row + (hq + hkv + g) * d, sizeof(T) * d);
+    const int64_t r = slots[seq] * hkv + g;  // the token's row of this KV head
+    C* kc = static_cast<C*>(l.k_cache.data_ptr()) + r * d;
+    C* vc = static_cast<C*>(l.v_cache.data_ptr()) + r * d;
+    if constexpr (kCoded<C>) {  // quantized as write_kv_q8_ does
+      quantize_row(k, d, kc, l.k_scale.data_ptr<at::Half>() + r);
+      quantize_row(row + (hq + hkv + g) * d, d, vc, l.v_scale.data_ptr<at::Half>() + r);
+    } else {
+      std::memcpy(kc, k, sizeof(T) * d);
+      std::memcpy(vc, row + (hq + hkv + g) * d, sizeof(T) * d);
+    }
   }
 }
 
 // attn [B, Hq * D] <- attention of this layer; ends with every thread past a barrier
-template <typename T>
-void DecodeStep::Run<T>::attention(int64_t li, Private<T>& p, int64_t tid, int64_t nt) {
+template <typename T, typename C>
+void DecodeStep::Run<T, C>::attention(int64_t li, Private<T>& p, int64_t tid, int64_t nt) {
   const Layer& l = m.layers_[li];
   const Plan& plan = plans[li];
   const Problem& pr = problems[li];
   const int64_t n_units = static_cast<int64_t>(plan.units.size()), stride = m.hq_ * (m.d_ + 2);
   const int64_t group = m.hq_ / m.hkv_;
-  const T* kc = l.k_cache.data_ptr<T>();
-  const T* vc = l.v_cache.data_ptr<T>();
+  const C* kc = static_cast<const C*>(l.k_cache.data_ptr());
+  const C* vc = static_cast<const C*>(l.v_cache.data_ptr());
+  const at::Half* ks = kCoded<C> ? l.k_scale.data_ptr<at::Half>() : nullptr;
+  const at::Half* vs = kCoded<C> ? l.v_scale.data_ptr<at::Half>() : nullptr;
   bool whole = true;  // no sequence's keys split: each unit owns its heads, start to end
   for (const Unit& u : plan.units) whole = whole && u.whole;
   if (!whole) {  // every head rotated and stored before any unit reads the keys
@@ -291,8 +311,7 @@ void DecodeStep::Run<T>::attention(int64_t li, Private<T>& p, int64_t tid, int64
   for (int64_t i = tid; i < n_units; i += nt) {
     const Unit& u = plan.units[i];
     if (whole) rope_and_store(li, u.b, u.g0, u.g1);
-    attend(u, pr, qkv.data(), kc, vc, static_cast<const at::Half*>(nullptr), static_cast<const at::Half*>(nullptr),
-           stats.data() + i * stride, p.qf, p.scores, p.rows);
+    attend(u, pr, qkv.data(), kc, vc, ks, vs, stats.data() + i * stride, p.qf, p.scores, p.rows);
     if (whole)
       for (int64_t h = u.g0 * group; h < u.g1 * group; ++h) merge_head(pr, plan, stats.data(), u.b, h, attn.data(),
                                                                      p.o.data());
@@ -330,9 +349,12 @@ at::Tensor DecodeStep::run(at::Tensor x, at::Tensor positions, at::Tensor slots,
   auto out = at::empty_like(x);
   if (b == 0) return out;
   DISPATCH_F32_BF16(x.scalar_type(), "decode_step", [&] {
-    Run<scalar_t> r{*this, x.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-                    block_tables, seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), b};
-    r.go();
+    dispatch_codes<scalar_t>(layers_[0].k_cache, layers_[0].k_scale.defined(), [&](auto code) {
+      Run<scalar_t, decltype(code)> r{*this, x.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(),
+                                      slots.data_ptr<int64_t>(), block_tables, seq_lens.data_ptr<int32_t>(),
+                                      out.data_ptr<scalar_t>(), b};
+      r.go();
+    });
   });
   return out;
 }
