@@ -5,8 +5,8 @@ linear's own parallel region, cost about as much as the arithmetic. ``DecodeStep
 norms and KV cache in C++, and one ``run`` goes from the embedded tokens to the final norm: norms, rotary, the KV
 append, decode attention, the linears, the activation and the residual adds, inside one parallel region.
 
-It takes the Llama form: pre norms (Gemma's ``1 + w`` too), one rotary over whole heads, optional q/k/v biases,
-optional per-head q/k norms (Qwen3), MHA/GQA/MQA, sliding windows, a gated MLP, every linear on the W8A8 VNNI kernel, a KV cache in the compute dtype or
+It takes the Llama form: pre norms (Gemma's ``1 + w`` too) or Gemma 2's sandwich norms, one rotary over whole
+heads, optional q/k/v biases, optional per-head q/k norms (Qwen3), attention soft-capping (Gemma 2), MHA/GQA/MQA, sliding windows, a gated MLP, every linear on the W8A8 VNNI kernel, a KV cache in the compute dtype or
 8-bit (int8 or fp8 codes with fp16 scales, runtime/kernels/kv_quant.py).
 What a layer needs beyond that is data (:func:`layer_needs`); the runner builds the step once at load only when no
 layer needs anything (:func:`build`) and logs which path it chose and why. Prefill rows, verification rows (several
@@ -42,14 +42,12 @@ def layer_needs(layer: nn.Module, cfg: ModelConfig, index: int) -> list[str]:
     """What ``layer`` (layer ``index`` of a runtime/models/blocks.py decoder of ``cfg``) needs beyond the native
     step's form; empty when the step can run it."""
     attn, needs = layer.self_attn, []
-    if cfg.arch.norms != "pre":
+    if cfg.arch.norms not in ("pre", "sandwich"):
         needs.append(f"{cfg.arch.norms} norms")
     if attn.norm_proj:
         needs.append("q/k norms over the whole projections")
     if attn.clip is not None:
         needs.append("clip_qkv")
-    if attn.softcap is not None:
-        needs.append("attention soft-capping")
     if layer.residual_multiplier is not None:
         needs.append("a residual multiplier")
     if cfg.moe is not None and index in cfg.moe.sparse_layers:
@@ -77,6 +75,17 @@ def model_needs(model: nn.Module, ops: Ops, device_type: str) -> list[str]:
     return needs
 
 
+def layer_tensors(layer: nn.Module) -> dict[str, Tensor]:
+    """A layer's norm weights and KV cache views, named as ``DecodeStep.add_layer`` takes them (the optional ones
+    only where the layer has them)."""
+    attn, (norm_in, attn_out, mlp_in, mlp_out) = layer.self_attn, layer.norms
+    named = {"input_norm": norm_in, "attn_out_norm": attn_out, "mlp_norm": mlp_in, "mlp_out_norm": mlp_out,
+             "q_norm": attn.q_norm, "k_norm": attn.k_norm}
+    tensors = {name: norm.weight for name, norm in named.items() if norm is not None}
+    caches = {"k_cache": attn.k_cache, "v_cache": attn.v_cache, "k_scale": attn.k_scale, "v_scale": attn.v_scale}
+    return tensors | {name: t for name, t in caches.items() if t is not None}
+
+
 class NativeStep:
     """Every layer of a model in one ``DecodeStep`` (see the module docstring); ``run`` replaces the layer loop."""
 
@@ -89,9 +98,7 @@ class NativeStep:
             cfg.arch.norm_offset, attn0.scale, ACTIVATIONS[cfg.act][1], model.norm.weight, rotary.cos, rotary.sin)
         for layer in model.layers:
             attn = layer.self_attn
-            qk = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
-            self.step.add_layer(layer.input_norm.weight, layer.norms[2].weight, attn.k_cache, attn.v_cache,
-                                attn.window or 0, *qk, attn.k_scale, attn.v_scale)
+            self.step.add_layer(layer_tensors(layer), attn.window or 0, attn.softcap or 0.0)
             for parent, name in LINEARS:
                 k = w8a8_kernel(getattr(getattr(layer, parent), name))
                 bias = None if k.bias is None else k.bias.to(dtype)

@@ -1,7 +1,8 @@
 """The native decode step (runtime/kernels/native_step.py, cpu/decode_step.cpp) against the per-op path it replaces:
 the same greedy tokens in fp32 and the same logits in bf16, for each form it takes (GQA, MHA, MQA, biases, sliding
-windows, Gemma's norm offset, Qwen3's q/k norms, 8-bit KV caches), on one and two threads, keys split or not; and every layer it cannot take keeps the
-per-op path, with the reason logged."""
+windows, Gemma's norm offset, Qwen3's q/k norms, Gemma 2's sandwich norms and soft-capping, 8-bit KV caches), on
+one and two threads, keys split or not; and every layer it cannot take keeps the per-op path, with the reason logged.
+"""
 import logging
 
 import pytest
@@ -26,6 +27,7 @@ FORMS = {  # name: (family, config overrides)
     "mistral-window": ("mistral", {"sliding_window": 8}),
     "gemma-offset": ("gemma", {}),
     "qwen3-qk-norms": ("qwen3", {}),
+    "gemma2-sandwich-softcap": ("gemma2", {}),  # windowed and global layers alternate
 }
 
 
@@ -71,7 +73,8 @@ def _logits(path: str, dtype: str, native: bool, prompt: list[int], forced: list
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("form", ["llama-gqa", "qwen2-qkv-bias", "gemma-offset", "qwen3-qk-norms"])
+@pytest.mark.parametrize("form", ["llama-gqa", "qwen2-qkv-bias", "gemma-offset", "qwen3-qk-norms",
+                                  "gemma2-sandwich-softcap"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_logits_equal_the_per_op_path(tmp_path, form, threads):
     """bf16: the step runs the per-op path's kernels op for op, with the same roundings in between, so the logits
@@ -103,7 +106,6 @@ def test_long_context_splits_keys_across_threads(tmp_path):
 
 @pytest.mark.parametrize("family,quantized,options,reason", [
     ("olmoe", True, {}, "q/k norms over the whole projections"),
-    ("gemma2", True, {}, "sandwich norms"),
     ("olmo2", True, {}, "post norms"),
     ("phi3", True, {}, "partial or per-layer rotary"),
     ("granite", True, {}, "a residual multiplier"),

@@ -24,6 +24,7 @@
 
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -39,17 +40,19 @@ struct Linear {
 };
 
 struct Layer {
-  at::Tensor input_norm, post_norm, k_cache, v_cache;
-  int64_t window;  // 0: none
-  at::Tensor q_norm, k_norm;  // per-head RMSNorm weights [D] before rotary (Qwen3), or undefined
-  at::Tensor k_scale, v_scale;  // an 8-bit cache's fp16 scales [blocks, block, Hkv], or undefined
-  std::vector<Linear> lin;  // QKV, O, GATE_UP, DOWN
+  at::Tensor input_norm, mlp_norm, k_cache, v_cache;
+  at::Tensor q_norm, k_norm;               // per-head RMSNorm weights [D] before rotary (Qwen3), or undefined
+  at::Tensor attn_out_norm, mlp_out_norm;  // sandwich norms on each branch's output (Gemma 2), or undefined
+  at::Tensor k_scale, v_scale;             // an 8-bit cache's fp16 scales [blocks, block, Hkv], or undefined
+  int64_t window;                          // 0: none
+  double softcap;                          // attention scores s -> tanh(s / cap) * cap; 0: none
+  std::vector<Linear> lin;                 // QKV, O, GATE_UP, DOWN
 };
 
 // one thread's copies: the normalized row(s), the stream's next value, int8 activations, attention scratch
 template <typename T>
 struct Private {
-  std::vector<T> h, s, act;
+  std::vector<T> h, s, act, t;
   std::vector<int8_t> xq;
   std::vector<float> sa, gsum, a, qf, scores, o;
   std::vector<int64_t> rows;
@@ -69,29 +72,35 @@ class DecodeStep : public torch::CustomClassHolder {
     check_cpu(final_norm, "final_norm");
   }
 
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache,
-                 int64_t window, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
-                 std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
-    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
-    for (const auto* t : {&q_norm, &k_norm})
-      TORCH_CHECK(!t->has_value() || ((*t)->numel() == d_ && (*t)->is_contiguous() &&
-                  (*t)->scalar_type() == final_norm_.scalar_type()), "q/k norm weights: [head_dim], compute dtype");
-    for (const at::Tensor* t : {&input_norm, &post_norm})
-      TORCH_CHECK(t->numel() == hidden_ && t->is_contiguous() && t->scalar_type() == final_norm_.scalar_type(),
-                  "norm weights: [hidden] in the compute dtype");
-    const bool coded = k_scale.has_value();  // an int8 or fp8 cache (dispatch_codes checks which)
-    TORCH_CHECK(coded == v_scale.has_value(), "k_scale and v_scale come together");
-    TORCH_CHECK(layers_.empty() || k_cache.scalar_type() == layers_[0].k_cache.scalar_type(), "one cache dtype");
-    for (const at::Tensor* t : {&k_cache, &v_cache})
-      TORCH_CHECK(t->dim() == 4 && t->size(2) == hkv_ && t->size(3) == d_ && t->is_contiguous() &&
-                  (coded || t->scalar_type() == final_norm_.scalar_type()) && t->sizes() == k_cache.sizes(),
+  // a layer's tensors by name: input_norm, mlp_norm, k_cache, v_cache, and where the layer has them q_norm and
+  // k_norm, attn_out_norm and mlp_out_norm, k_scale and v_scale (an 8-bit cache)
+  void add_layer(c10::Dict<std::string, at::Tensor> t, int64_t window, double softcap) {
+    auto get = [&](const char* name) { return t.contains(name) ? t.at(name) : at::Tensor(); };
+    Layer l{get("input_norm"), get("mlp_norm"), get("k_cache"), get("v_cache"), get("q_norm"), get("k_norm"),
+            get("attn_out_norm"), get("mlp_out_norm"), get("k_scale"), get("v_scale"), window, softcap, {}};
+    const auto dtype = final_norm_.scalar_type();
+    auto weight = [&](const at::Tensor& w, int64_t n, bool needed, const char* name) {
+      TORCH_CHECK(w.defined() ? (w.numel() == n && w.is_contiguous() && w.scalar_type() == dtype) : !needed, name,
+                  ": [", n, "] in the compute dtype", needed ? "" : ", or absent");
+    };
+    weight(l.input_norm, hidden_, true, "input_norm");
+    weight(l.mlp_norm, hidden_, true, "mlp_norm");
+    weight(l.q_norm, d_, false, "q_norm");
+    weight(l.k_norm, d_, l.q_norm.defined(), "k_norm");
+    weight(l.attn_out_norm, hidden_, false, "attn_out_norm");
+    weight(l.mlp_out_norm, hidden_, l.attn_out_norm.defined(), "mlp_out_norm");
+    TORCH_CHECK(l.k_cache.defined() && l.v_cache.defined(), "k_cache and v_cache are needed");
+    const bool coded = l.k_scale.defined();  // an int8 or fp8 cache (dispatch_codes checks which)
+    TORCH_CHECK(coded == l.v_scale.defined(), "k_scale and v_scale come together");
+    TORCH_CHECK(layers_.empty() || l.k_cache.scalar_type() == layers_[0].k_cache.scalar_type(), "one cache dtype");
+    for (const at::Tensor* c : {&l.k_cache, &l.v_cache})
+      TORCH_CHECK(c->dim() == 4 && c->size(2) == hkv_ && c->size(3) == d_ && c->is_contiguous() &&
+                  (coded || c->scalar_type() == dtype) && c->sizes() == l.k_cache.sizes(),
                   "caches: [blocks, block, Hkv, D], in the compute dtype or 8-bit codes with scales");
-    for (const auto* t : {&k_scale, &v_scale})
-      TORCH_CHECK(!coded || ((*t)->scalar_type() == at::kHalf && (*t)->is_contiguous() &&
-                  (*t)->sizes() == k_cache.sizes().slice(0, 3)), "scales: fp16 [blocks, block, Hkv]");
-    layers_.push_back({input_norm, post_norm, k_cache, v_cache, window, q_norm.value_or(at::Tensor()),
-                       k_norm.value_or(at::Tensor()), k_scale.value_or(at::Tensor()), v_scale.value_or(at::Tensor()),
-                       {}});
+    for (const at::Tensor* c : {&l.k_scale, &l.v_scale})
+      TORCH_CHECK(!coded || (c->scalar_type() == at::kHalf && c->is_contiguous() &&
+                  c->sizes() == l.k_cache.sizes().slice(0, 3)), "scales: fp16 [blocks, block, Hkv]");
+    layers_.push_back(std::move(l));
   }
 
   // the last added layer's next linear, in the order qkv, o, gate_up, down (qgemv.cpp's w8a8_linear arguments)
@@ -155,6 +164,14 @@ struct DecodeStep::Run {
   void linear(const Linear& l, const T* in, T* dst, Private<T>& p, int64_t tid, int64_t nt);
   void attention(int64_t li, Private<T>& p, int64_t tid, int64_t nt);
   void rope_and_store(int64_t li, int64_t seq, int64_t g0, int64_t g1);
+  // what a branch's output delta adds to the stream: delta, or its sandwich norm (in this thread's p.t)
+  const T* branch(T* delta, const at::Tensor& w, Private<T>& p) {
+    if (!w.defined()) return delta;
+    for (int64_t r = 0; r < b; ++r)
+      rms_row(delta + r * m.hidden_, static_cast<const T*>(nullptr), w.data_ptr<T>(), p.t.data() + r * m.hidden_,
+              m.hidden_, static_cast<float>(m.eps_), static_cast<float>(m.offset_));
+    return p.t.data();
+  }
   // p.h <- norm(stream + delta) on this thread's copy p.s of the stream (delta null: the stream as it is)
   void norm(const T* delta, const at::Tensor& w, Private<T>& p) {
     const T* wp = w.data_ptr<T>();
@@ -185,7 +202,7 @@ void DecodeStep::Run<T, C>::prepare(int64_t threads) {
   size_t most = 0;
   for (const Layer& l : m.layers_) {
     const Problem pr{qkv_dim, d, m.hq_, m.hkv_, d, l.k_cache.size(1), tables.size(1), l.window,
-                     static_cast<float>(m.scale_), 0.f, tables.data_ptr<int32_t>(), lens};
+                     static_cast<float>(m.scale_), static_cast<float>(l.softcap), tables.data_ptr<int32_t>(), lens};
     problems.push_back(pr);
     plans.push_back(plan_units(pr, b, threads, true));
     most = std::max(most, plans.back().units.size());
@@ -204,6 +221,7 @@ void DecodeStep::Run<T, C>::go() {
     Private<T> p;
     p.h.resize(b * m.hidden_);
     p.s.resize(b * m.hidden_);
+    p.t.resize(b * m.hidden_);
     p.act.resize(b * m.inter_);
     p.xq.resize(b * std::max(m.inter_, std::max(m.hidden_, m.hq_ * m.d_)));
     p.sa.resize(p.xq.size() / QB);
@@ -231,7 +249,7 @@ void DecodeStep::Run<T, C>::layer(int64_t li, Private<T>& p, int64_t tid, int64_
   attention(li, p, tid, nt);
   linear(l.lin[O], attn.data(), delta.data(), p, tid, nt);
 #pragma omp barrier
-  norm(delta.data(), l.post_norm, p);
+  norm(branch(delta.data(), l.attn_out_norm, p), l.mlp_norm, p);
   linear(l.lin[GATE_UP], p.h.data(), gu.data(), p, tid, nt);
 #pragma omp barrier
   if (tid == 0) std::memcpy(x, p.s.data(), sizeof(T) * b * m.hidden_);
@@ -240,7 +258,7 @@ void DecodeStep::Run<T, C>::layer(int64_t li, Private<T>& p, int64_t tid, int64_
   linear(l.lin[DOWN], p.act.data(), delta.data(), p, tid, nt);
 #pragma omp barrier
   const bool last = li + 1 == static_cast<int64_t>(m.layers_.size());
-  norm(delta.data(), last ? m.final_norm_ : m.layers_[li + 1].input_norm, p);
+  norm(branch(delta.data(), l.mlp_out_norm, p), last ? m.final_norm_ : m.layers_[li + 1].input_norm, p);
 }
 
 // dst [B, n_out] <- in [B, K] through l: this thread's share of the tiles, from its own int8 copy of `in`
