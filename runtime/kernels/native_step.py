@@ -5,8 +5,9 @@ linear's own parallel region, cost about as much as the arithmetic. ``DecodeStep
 norms and KV cache in C++, and one ``run`` goes from the embedded tokens to the final norm: norms, rotary, the KV
 append, decode attention, the linears, the activation and the residual adds, inside one parallel region.
 
-It takes the Llama form: pre norms (Gemma's ``1 + w`` too) or Gemma 2's sandwich norms, one rotary over whole
-heads, optional q/k/v biases, optional per-head q/k norms (Qwen3), attention soft-capping (Gemma 2), MHA/GQA/MQA, sliding windows, a gated MLP, every linear on the W8A8 VNNI kernel, a KV cache in the compute dtype or
+It takes the Llama form: pre norms (Gemma's ``1 + w`` too) or Gemma 2/3's sandwich norms, rotaries over all or the
+first dims of each head (Phi-3), one per layer type (Gemma 3), optional q/k/v biases, optional per-head q/k norms
+(Qwen3, Gemma 3), attention soft-capping (Gemma 2), Granite's residual multiplier, MHA/GQA/MQA, sliding windows, a gated MLP, every linear on the W8A8 VNNI kernel, a KV cache in the compute dtype or
 8-bit (int8 or fp8 codes with fp16 scales, runtime/kernels/kv_quant.py).
 What a layer needs beyond that is data (:func:`layer_needs`); the runner builds the step once at load only when no
 layer needs anything (:func:`build`) and logs which path it chose and why. Prefill rows, verification rows (several
@@ -48,8 +49,6 @@ def layer_needs(layer: nn.Module, cfg: ModelConfig, index: int) -> list[str]:
         needs.append("q/k norms over the whole projections")
     if attn.clip is not None:
         needs.append("clip_qkv")
-    if layer.residual_multiplier is not None:
-        needs.append("a residual multiplier")
     if cfg.moe is not None and index in cfg.moe.sparse_layers:
         needs.append("a sparse MoE MLP")
         return needs
@@ -61,17 +60,14 @@ def layer_needs(layer: nn.Module, cfg: ModelConfig, index: int) -> list[str]:
 
 
 def model_needs(model: nn.Module, ops: Ops, device_type: str) -> list[str]:
-    """What the model as a whole needs beyond the step: the fused CPU kernels on a VNNI CPU, fp32 or bf16, one
-    rotary over whole heads."""
-    cfg, needs = model.config, []
+    """What the model as a whole needs beyond the step: the fused CPU kernels on a VNNI CPU, fp32 or bf16."""
+    needs = []
     if device_type != "cpu" or ops is not FUSED_CPU_OPS:
         needs.append("the torch path (no fused CPU kernels)")
     elif not w8a8.available():
         needs.append("a CPU without AVX512-VNNI")
     if model.dtype not in (torch.float32, torch.bfloat16):
         needs.append(f"{model.dtype}")
-    if len(model.rotary) != 1 or next(iter(model.rotary.values())).dim != cfg.head_dim:
-        needs.append("partial or per-layer rotary")
     return needs
 
 
@@ -91,14 +87,14 @@ class NativeStep:
 
     def __init__(self, model: nn.Module):
         cfg, dtype = model.config, model.dtype
-        rotary = next(iter(model.rotary.values()))
-        attn0 = model.layers[0].self_attn
         self.step = torch.classes.compress_cpu.DecodeStep(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps,
-            cfg.arch.norm_offset, attn0.scale, ACTIVATIONS[cfg.act][1], model.norm.weight, rotary.cos, rotary.sin)
-        for layer in model.layers:
-            attn = layer.self_attn
-            self.step.add_layer(layer_tensors(layer), attn.window or 0, attn.softcap or 0.0)
+            cfg.arch.norm_offset, model.layers[0].self_attn.scale, ACTIVATIONS[cfg.act][1], model.norm.weight)
+        rope = {key: self.step.add_rotary(r.cos, r.sin) for key, r in model.rotary.items()}
+        for layer, key in zip(model.layers, model.rope_keys):
+            attn, multiplier = layer.self_attn, layer.residual_multiplier
+            self.step.add_layer(layer_tensors(layer), attn.window or 0, attn.softcap or 0.0, rope[key],
+                                1.0 if multiplier is None else multiplier)
             for parent, name in LINEARS:
                 k = w8a8_kernel(getattr(getattr(layer, parent), name))
                 bias = None if k.bias is None else k.bias.to(dtype)

@@ -1,7 +1,7 @@
 """The native decode step (runtime/kernels/native_step.py, cpu/decode_step.cpp) against the per-op path it replaces:
 the same greedy tokens in fp32 and the same logits in bf16, for each form it takes (GQA, MHA, MQA, biases, sliding
-windows, Gemma's norm offset, Qwen3's q/k norms, Gemma 2's sandwich norms and soft-capping, 8-bit KV caches), on
-one and two threads, keys split or not; and every layer it cannot take keeps the per-op path, with the reason logged.
+windows, Gemma's norm offset, Qwen3's q/k norms, Gemma 2's sandwich norms and soft-capping, Gemma 3's two rotaries,
+Phi-3's partial rotary, Granite's multipliers, 8-bit KV caches), on one and two threads, keys split or not; and every layer it cannot take keeps the per-op path, with the reason logged.
 """
 import logging
 
@@ -28,6 +28,9 @@ FORMS = {  # name: (family, config overrides)
     "gemma-offset": ("gemma", {}),
     "qwen3-qk-norms": ("qwen3", {}),
     "gemma2-sandwich-softcap": ("gemma2", {}),  # windowed and global layers alternate
+    "gemma3-two-rotaries": ("gemma3_text", {}),  # sandwich norms, q/k norms, a rotary per layer type
+    "phi3-partial-rotary": ("phi3", {}),
+    "granite-multipliers": ("granite", {}),
 }
 
 
@@ -107,8 +110,6 @@ def test_long_context_splits_keys_across_threads(tmp_path):
 @pytest.mark.parametrize("family,quantized,options,reason", [
     ("olmoe", True, {}, "q/k norms over the whole projections"),
     ("olmo2", True, {}, "post norms"),
-    ("phi3", True, {}, "partial or per-layer rotary"),
-    ("granite", True, {}, "a residual multiplier"),
     ("mixtral", True, {}, "a sparse MoE MLP"),
     ("llama", False, {}, "not w8a8"),
     ("llama", True, {"fused_cpu_kernels": False}, "the torch path"),

@@ -46,6 +46,8 @@ struct Layer {
   at::Tensor k_scale, v_scale;             // an 8-bit cache's fp16 scales [blocks, block, Hkv], or undefined
   int64_t window;                          // 0: none
   double softcap;                          // attention scores s -> tanh(s / cap) * cap; 0: none
+  int64_t rope;                            // which of the step's rotaries rotates this layer
+  double residual_multiplier;              // each branch's output times this before the add (Granite; 1: none)
   std::vector<Linear> lin;                 // QKV, O, GATE_UP, DOWN
 };
 
@@ -60,24 +62,34 @@ struct Private {
 
 class DecodeStep : public torch::CustomClassHolder {
  public:
-  // cos, sin: the rotary's fp32 tables [positions, D/2] (runtime/models/layers.py's Rotary, whole head rotated)
   DecodeStep(int64_t hq, int64_t hkv, int64_t d, int64_t hidden, int64_t inter, double eps, double offset,
-             double scale, int64_t act, at::Tensor final_norm, at::Tensor cos, at::Tensor sin)
+             double scale, int64_t act, at::Tensor final_norm)
       : hq_(hq), hkv_(hkv), d_(d), hidden_(hidden), inter_(inter), eps_(eps), offset_(offset), scale_(scale),
-        act_(act), final_norm_(final_norm), cos_(cos), sin_(sin) {
+        act_(act), final_norm_(final_norm) {
     TORCH_CHECK(has_vnni(), "the native decode step needs AVX512-VNNI, which this build of the kernels lacks");
     TORCH_CHECK(hq % hkv == 0 && d % 2 == 0 && d <= 1024 && act >= 0 && act <= 2, "bad heads, head_dim or act");
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) * 2 == d && sin.sizes() == cos.sizes()
-                && cos.is_contiguous() && sin.is_contiguous(), "cos/sin: contiguous fp32 [positions, head_dim / 2]");
     check_cpu(final_norm, "final_norm");
+  }
+
+  // a rotary's fp32 tables cos, sin [positions, R/2] (runtime/models/layers.py's Rotary: the first R <= D dims of
+  // each head rotated); returns its index for add_layer
+  int64_t add_rotary(at::Tensor cos, at::Tensor sin) {
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) * 2 <= d_ && cos.size(1) > 0 &&
+                sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                sin.is_contiguous(), "cos/sin: contiguous fp32 [positions, R / 2], R <= head_dim");
+    rotaries_.push_back({cos, sin});
+    return static_cast<int64_t>(rotaries_.size()) - 1;
   }
 
   // a layer's tensors by name: input_norm, mlp_norm, k_cache, v_cache, and where the layer has them q_norm and
   // k_norm, attn_out_norm and mlp_out_norm, k_scale and v_scale (an 8-bit cache)
-  void add_layer(c10::Dict<std::string, at::Tensor> t, int64_t window, double softcap) {
+  void add_layer(c10::Dict<std::string, at::Tensor> t, int64_t window, double softcap, int64_t rope,
+                 double residual_multiplier) {
+    TORCH_CHECK(rope >= 0 && rope < static_cast<int64_t>(rotaries_.size()), "rope ", rope, ": add_rotary first");
     auto get = [&](const char* name) { return t.contains(name) ? t.at(name) : at::Tensor(); };
     Layer l{get("input_norm"), get("mlp_norm"), get("k_cache"), get("v_cache"), get("q_norm"), get("k_norm"),
-            get("attn_out_norm"), get("mlp_out_norm"), get("k_scale"), get("v_scale"), window, softcap, {}};
+            get("attn_out_norm"), get("mlp_out_norm"), get("k_scale"), get("v_scale"), window, softcap, rope,
+            residual_multiplier, {}};
     const auto dtype = final_norm_.scalar_type();
     auto weight = [&](const at::Tensor& w, int64_t n, bool needed, const char* name) {
       TORCH_CHECK(w.defined() ? (w.numel() == n && w.is_contiguous() && w.scalar_type() == dtype) : !needed, name,
@@ -136,7 +148,8 @@ class DecodeStep : public torch::CustomClassHolder {
   int64_t hq_, hkv_, d_, hidden_, inter_;
   double eps_, offset_, scale_;
   int64_t act_;
-  at::Tensor final_norm_, cos_, sin_;
+  at::Tensor final_norm_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> rotaries_;  // (cos, sin)
   std::vector<Layer> layers_;
 };
 
@@ -164,12 +177,21 @@ struct DecodeStep::Run {
   void linear(const Linear& l, const T* in, T* dst, Private<T>& p, int64_t tid, int64_t nt);
   void attention(int64_t li, Private<T>& p, int64_t tid, int64_t nt);
   void rope_and_store(int64_t li, int64_t seq, int64_t g0, int64_t g1);
-  // what a branch's output delta adds to the stream: delta, or its sandwich norm (in this thread's p.t)
-  const T* branch(T* delta, const at::Tensor& w, Private<T>& p) {
-    if (!w.defined()) return delta;
-    for (int64_t r = 0; r < b; ++r)
-      rms_row(delta + r * m.hidden_, static_cast<const T*>(nullptr), w.data_ptr<T>(), p.t.data() + r * m.hidden_,
-              m.hidden_, static_cast<float>(m.eps_), static_cast<float>(m.offset_));
+  // what a branch's output delta adds to the stream: delta, its sandwich norm, times the residual multiplier
+  // (each rounded to T, as the per-op path's tensors are), in this thread's p.t
+  const T* branch(T* delta, const at::Tensor& w, double multiplier, Private<T>& p) {
+    if (!w.defined() && multiplier == 1.) return delta;
+    const int64_t n = b * m.hidden_;
+    if (w.defined()) {
+      for (int64_t r = 0; r < b; ++r)
+        rms_row(delta + r * m.hidden_, static_cast<const T*>(nullptr), w.data_ptr<T>(), p.t.data() + r * m.hidden_,
+                m.hidden_, static_cast<float>(m.eps_), static_cast<float>(m.offset_));
+    } else {
+      std::memcpy(p.t.data(), delta, sizeof(T) * n);
+    }
+    const float f = static_cast<float>(multiplier);
+    if (multiplier != 1.)
+      for (int64_t i = 0; i < n; ++i) st(p.t.data(), i, ld(p.t.data(), i) * f);
     return p.t.data();
   }
   // p.h <- norm(stream + delta) on this thread's copy p.s of the stream (delta null: the stream as it is)
@@ -184,15 +206,20 @@ struct DecodeStep::Run {
 
 template <typename T, typename C>
 void DecodeStep::Run<T, C>::prepare(int64_t threads) {
-  const int64_t d = m.d_, half = d / 2;
+  const int64_t d = m.d_;
   qkv_dim = (m.hq_ + 2 * m.hkv_) * d;
-  cs.resize(b * 2 * d);  // per sequence: cos row [c, c], sin row [-s, s], rounded to T as the Rotary module does
-  for (int64_t i = 0; i < b; ++i) {
-    const float* c = m.cos_.data_ptr<float>() + positions[i] * half;
-    const float* s = m.sin_.data_ptr<float>() + positions[i] * half;
-    for (int64_t j = 0; j < d; ++j) {
-      st(cs.data(), i * 2 * d + j, c[j % half]);
-      st(cs.data(), i * 2 * d + d + j, j < half ? -s[j] : s[j - half]);
+  // per rotary and sequence: cos row [c, c], sin row [-s, s] (R of D values used), rounded to T as Rotary does
+  cs.resize(m.rotaries_.size() * b * 2 * d);
+  for (size_t ri = 0; ri < m.rotaries_.size(); ++ri) {
+    const int64_t half = m.rotaries_[ri].first.size(1);
+    for (int64_t i = 0; i < b; ++i) {
+      const float* c = m.rotaries_[ri].first.data_ptr<float>() + positions[i] * half;
+      const float* s = m.rotaries_[ri].second.data_ptr<float>() + positions[i] * half;
+      T* row = cs.data() + (ri * b + i) * 2 * d;
+      for (int64_t j = 0; j < 2 * half; ++j) {
+        st(row, j, c[j % half]);
+        st(row, d + j, j < half ? -s[j] : s[j - half]);
+      }
     }
   }
   qkv.resize(b * qkv_dim);
@@ -249,7 +276,7 @@ void DecodeStep::Run<T, C>::layer(int64_t li, Private<T>& p, int64_t tid, int64_
   attention(li, p, tid, nt);
   linear(l.lin[O], attn.data(), delta.data(), p, tid, nt);
 #pragma omp barrier
-  norm(branch(delta.data(), l.attn_out_norm, p), l.mlp_norm, p);
+  norm(branch(delta.data(), l.attn_out_norm, l.residual_multiplier, p), l.mlp_norm, p);
   linear(l.lin[GATE_UP], p.h.data(), gu.data(), p, tid, nt);
 #pragma omp barrier
   if (tid == 0) std::memcpy(x, p.s.data(), sizeof(T) * b * m.hidden_);
@@ -258,7 +285,7 @@ void DecodeStep::Run<T, C>::layer(int64_t li, Private<T>& p, int64_t tid, int64_
   linear(l.lin[DOWN], p.act.data(), delta.data(), p, tid, nt);
 #pragma omp barrier
   const bool last = li + 1 == static_cast<int64_t>(m.layers_.size());
-  norm(branch(delta.data(), l.mlp_out_norm, p), last ? m.final_norm_ : m.layers_[li + 1].input_norm, p);
+  norm(branch(delta.data(), l.mlp_out_norm, l.residual_multiplier, p), last ? m.final_norm_ : m.layers_[li + 1].input_norm, p);
 }
 
 // dst [B, n_out] <- in [B, K] through l: this thread's share of the tiles, from its own int8 copy of `in`
@@ -284,17 +311,18 @@ void DecodeStep::Run<T, C>::rope_and_store(int64_t li, int64_t seq, int64_t g0, 
   const Layer& l = m.layers_[li];
   const int64_t d = m.d_, hq = m.hq_, hkv = m.hkv_, group = hq / hkv;
   T* row = qkv.data() + seq * qkv_dim;
-  const T* c = cs.data() + seq * 2 * d;
+  const T* c = cs.data() + (l.rope * b + seq) * 2 * d;
+  const int64_t rot = 2 * m.rotaries_[l.rope].first.size(1);  // dims rotated; the rest pass through
   const float eps = static_cast<float>(m.eps_), offset = static_cast<float>(m.offset_);
   const bool qk = l.q_norm.defined();
   for (int64_t h = g0 * group; h < g1 * group; ++h) {
     if (qk) rms_row(row + h * d, static_cast<const T*>(nullptr), l.q_norm.data_ptr<T>(), row + h * d, d, eps, offset);
-    rope_row(row + h * d, c, c + d, d);
+    rope_row(row + h * d, c, c + d, rot);
   }
   for (int64_t g = g0; g < g1; ++g) {
     T* k = row + (hq + g) * d;
     if (qk) rms_row(k, static_cast<const T*>(nullptr), l.k_norm.data_ptr<T>(), k, d, eps, offset);
-    rope_row(k, c, c + d, d);
+    rope_row(k, c, c + d, rot);
     const int64_t r = slots[seq] * hkv + g;  // the token's row of this KV head
     C* kc = static_cast<C*>(l.k_cache.data_ptr()) + r * d;
     C* vc = static_cast<C*>(l.v_cache.data_ptr()) + r * d;
@@ -358,7 +386,9 @@ at::Tensor DecodeStep::run(at::Tensor x, at::Tensor positions, at::Tensor slots,
   const int64_t capacity = layers_[0].k_cache.size(0) * layers_[0].k_cache.size(1);
   for (int64_t i = 0; i < b; ++i) {
     const int64_t pos = positions.data_ptr<int64_t>()[i], slot = slots.data_ptr<int64_t>()[i];
-    TORCH_CHECK(pos >= 0 && pos < cos_.size(0) && slot >= 0 && slot < capacity, "position ", pos, " or slot ", slot,
+    bool fits = true;
+    for (const auto& r : rotaries_) fits = fits && pos < r.first.size(0);
+    TORCH_CHECK(pos >= 0 && fits && slot >= 0 && slot < capacity, "position ", pos, " or slot ", slot,
                 " out of range");
     const int64_t len = seq_lens.data_ptr<int32_t>()[i];
     TORCH_CHECK(len >= 1 && (len - 1) / layers_[0].k_cache.size(1) < block_tables.size(1), "sequence ", i, " of ",
@@ -381,8 +411,8 @@ at::Tensor DecodeStep::run(at::Tensor x, at::Tensor positions, at::Tensor slots,
 
 TORCH_LIBRARY_FRAGMENT(compress_cpu, m) {
   m.class_<DecodeStep>("DecodeStep")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, at::Tensor,
-                       at::Tensor, at::Tensor>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, at::Tensor>())
+      .def("add_rotary", &DecodeStep::add_rotary)
       .def("add_layer", &DecodeStep::add_layer)
       .def("add_linear", &DecodeStep::add_linear)
       .def("run", &DecodeStep::run);
