@@ -7,11 +7,12 @@ append, decode attention, the linears, the activation and the residual adds, ins
 
 It takes the Llama form: pre norms (Gemma's ``1 + w`` too) or Gemma 2/3's sandwich norms, rotaries over all or the
 first dims of each head (Phi-3), one per layer type (Gemma 3), optional q/k/v biases, optional per-head q/k norms
-(Qwen3, Gemma 3), attention soft-capping (Gemma 2), Granite's residual multiplier, MHA/GQA/MQA, sliding windows, a gated MLP, every linear on the W8A8 VNNI kernel, a KV cache in the compute dtype or
-8-bit (int8 or fp8 codes with fp16 scales, runtime/kernels/kv_quant.py).
-What a layer needs beyond that is data (:func:`layer_needs`); the runner builds the step once at load only when no
-layer needs anything (:func:`build`) and logs which path it chose and why. Prefill rows, verification rows (several
-queries a sequence) and a model it refuses keep the per-op path (runtime/models/blocks.py).
+(Qwen3, Gemma 3), attention soft-capping (Gemma 2), Granite's residual multiplier, MHA/GQA/MQA, sliding windows, a
+gated MLP, every linear on the W8A8 VNNI kernel, a KV cache in the compute dtype or 8-bit (int8 or fp8 codes with fp16
+scales, runtime/kernels/kv_quant.py). What a layer needs beyond that is data (:func:`layer_needs`); the runner builds
+the step once at load only when no layer needs anything (:func:`build`) and logs which path it chose and why. Prefill
+rows, verification rows (several queries a sequence) and a model it refuses keep the per-op path
+(runtime/models/blocks.py).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The native decode step (runtime/kernels/native_step.py, cpu/decode_step.cpp) against the per-op path it replaces:
 the same greedy tokens in fp32 and the same logits in bf16, for each form it takes (GQA, MHA, MQA, biases, sliding
 windows, Gemma's norm offset, Qwen3's q/k norms, Gemma 2's sandwich norms and soft-capping, Gemma 3's two rotaries,
-Phi-3's partial rotary, Granite's multipliers, 8-bit KV caches), on one and two threads, keys split or not; and every layer it cannot take keeps the per-op path, with the reason logged.
-"""
+Phi-3's partial rotary, Granite's multipliers, 8-bit KV caches), on one and two threads, keys split or not; and
+every layer it cannot take keeps the per-op path, with the reason logged."""
 import logging
 
 import pytest
@@ -65,7 +65,8 @@ def test_greedy_tokens_equal_the_per_op_path(tmp_path, form, kv):
     assert outs[0] == outs[1]
 
 
-def _logits(path: str, dtype: str, native: bool, prompt: list[int], forced: list[int], max_len: int = 128) -> torch.Tensor:
+def _logits(path: str, dtype: str, native: bool, prompt: list[int], forced: list[int],
+            max_len: int = 128) -> torch.Tensor:
     """Logits of the prefill and of each forced decode step (the same tokens on both paths)."""
     blocks = -(-(max_len + 1) // 4)
     runner = ModelRunner(open_checkpoint(path), blocks, 4, dtype, "cpu", "auto", max_len + 1, native_step=native)

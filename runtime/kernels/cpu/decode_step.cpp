@@ -1,6 +1,9 @@
 // The decode rows of a Llama-form decoder in one native call (runtime/kernels/native_step.py builds it and
 // runtime/models/llama.py calls it): every layer's norms, rotary, KV append into the paged cache, decode
 // attention, the W8A8 linears (qkv, o, gate_up, down), the activation and the residual adds, then the final norm.
+// The form's variants are data per layer: q/k/v biases, per-head q/k norms, sandwich norms, soft-capped scores,
+// sliding windows, a rotary per layer type (all or the first dims of each head), a residual multiplier, and a KV
+// cache in the compute dtype or int8/fp8 codes.
 //
 // In eager torch a batch-1 step of SmolLM2-135M is ~30 layers x a dozen calls, and each linear opened its own
 // parallel region (fork, join). Here one parallel region runs the whole step; its threads split each linear's
@@ -41,8 +44,8 @@ struct Linear {
 
 struct Layer {
   at::Tensor input_norm, mlp_norm, k_cache, v_cache;
-  at::Tensor q_norm, k_norm;               // per-head RMSNorm weights [D] before rotary (Qwen3), or undefined
-  at::Tensor attn_out_norm, mlp_out_norm;  // sandwich norms on each branch's output (Gemma 2), or undefined
+  at::Tensor q_norm, k_norm;               // per-head RMSNorm weights [D] before rotary (Qwen3, Gemma 3), or undefined
+  at::Tensor attn_out_norm, mlp_out_norm;  // sandwich norms on each branch's output (Gemma 2/3), or undefined
   at::Tensor k_scale, v_scale;             // an 8-bit cache's fp16 scales [blocks, block, Hkv], or undefined
   int64_t window;                          // 0: none
   double softcap;                          // attention scores s -> tanh(s / cap) * cap; 0: none
@@ -285,7 +288,8 @@ void DecodeStep::Run<T, C>::layer(int64_t li, Private<T>& p, int64_t tid, int64_
   linear(l.lin[DOWN], p.act.data(), delta.data(), p, tid, nt);
 #pragma omp barrier
   const bool last = li + 1 == static_cast<int64_t>(m.layers_.size());
-  norm(branch(delta.data(), l.mlp_out_norm, l.residual_multiplier, p), last ? m.final_norm_ : m.layers_[li + 1].input_norm, p);
+  const at::Tensor& next = last ? m.final_norm_ : m.layers_[li + 1].input_norm;
+  norm(branch(delta.data(), l.mlp_out_norm, l.residual_multiplier, p), next, p);
 }
 
 // dst [B, n_out] <- in [B, K] through l: this thread's share of the tiles, from its own int8 copy of `in`

@@ -187,7 +187,8 @@ inline Plan plan_units(const Problem& p, int64_t b_count, int64_t threads, bool 
       splits = std::max<int64_t>(1, std::min(wanted, n / kChunkKeys));
     }
     int64_t heads = 1;
-    if (split_heads) heads = std::min(p.hkv, std::max<int64_t>(1, (threads + b_count * splits - 1) / (b_count * splits)));
+    if (split_heads)  // KV-head groups until the units cover the threads
+      heads = std::min(p.hkv, std::max<int64_t>(1, (threads + b_count * splits - 1) / (b_count * splits)));
     for (int64_t g = 0; g < heads; ++g)
       for (int64_t s = 0; s < splits; ++s)
         plan.units.push_back({b, n * s / splits, n * (s + 1) / splits, splits == 1, p.hkv * g / heads,
