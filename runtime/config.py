@@ -39,6 +39,9 @@ class EngineConfig:
     SmolLM2's head in Q8_0), else fp. A head that ``compress quantize`` quantized keeps its own format.
     ``fused_cpu_kernels`` runs the small per-layer ops and decode attention in one fused kernel each
     (runtime/kernels/cpu/fused_ops.cpp, built once per machine); False keeps the torch reference ops.
+    ``native_decode_step`` runs the decode rows of a model whose layers all fit its form (pre norms, W8A8 linears,
+    a KV cache in the compute dtype: runtime/kernels/native_step.py) in one native call per step; False, or a model
+    it refuses, keeps one call per op.
     ``kv_cache_dtype``: ``"auto"`` stores K and V in the compute dtype; ``"int8"`` / ``"fp8_e4m3"`` (where this
     torch has ``float8_e4m3fn``) store 8-bit codes with an fp16 scale per token and KV head, about twice the
     tokens in the same ``kv_cache_memory`` as a 16-bit cache (runtime/kernels/kv_quant.py).
@@ -68,6 +71,7 @@ class EngineConfig:
     prompt_lookup_min: int = 1
     lm_head: str = "auto"
     fused_cpu_kernels: bool = True
+    native_decode_step: bool = True
     kv_cache_dtype: str = "auto"
     model_impl: str = "auto"
     trust_remote_code: bool = False

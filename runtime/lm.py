@@ -27,7 +27,7 @@ class EngineLM:
 
     def __init__(self, spec: str, dtype: str = "auto", lm_head: str = "auto", mode: str = "decode",
                  max_len: int = 2048, batch_size: int = 4, block_size: int = 16, fused_cpu: bool = True,
-                 kv_cache_dtype: str = "auto", quant_kernel: str = "auto"):
+                 kv_cache_dtype: str = "auto", quant_kernel: str = "auto", native_step: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown; use one of {MODES}")
         ckpt = open_checkpoint(spec)
@@ -35,7 +35,8 @@ class EngineLM:
         self.tokenizer, self.mode, self.max_len = ckpt.tokenizer, mode, max_len
         self.batch_size, self.per_seq = batch_size, -(-max_len // block_size)
         self.runner = ModelRunner(ckpt, self.per_seq * batch_size, block_size, self.dtype, "cpu", quant_kernel,
-                                  max_len + 1, fused_cpu=fused_cpu, lm_head=lm_head, kv_cache_dtype=kv_cache_dtype)
+                                  max_len + 1, fused_cpu=fused_cpu, lm_head=lm_head, kv_cache_dtype=kv_cache_dtype,
+                                  native_step=native_step)
         self.lm_head = self.runner.lm_head_kind
 
     def _tables(self, n: int) -> list[list[int]]:

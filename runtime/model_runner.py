@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from compress.format.host import trim
 from runtime.kernels import lm_head as heads
+from runtime.kernels import native_step as native
 from runtime.kernels import qmatmul
 from runtime.kernels.attention import AttentionMetadata, fused_paged_attention, triton_paged_attention
 from runtime.kernels.fused import FUSED_CPU_OPS, select_ops
@@ -67,7 +68,7 @@ class ModelRunner:
     def __init__(self, ckpt: Checkpoint, num_blocks: int, block_size: int, dtype: str, device: str,
                  quant_kernel: str, max_positions: int, decode_q_len: int = 1, fused_cpu: bool = True,
                  lm_head: str = "fp", kv_cache_dtype: str = "auto", model_impl: str = "auto",
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, native_step: bool = True):
         self.dtype, self.device = DTYPES[dtype], torch.device(device)
         self.block_size, self.num_blocks, self.decode_q_len = block_size, num_blocks, decode_q_len
         self.model = build_model(ckpt, self.dtype, max_positions, model_impl, trust_remote_code)
@@ -97,6 +98,8 @@ class ModelRunner:
             elif fused:
                 attn.attn_fn = fused_paged_attention
         log.info("small ops and decode attention: %s", self.ops.name)
+        if hasattr(self.model, "native_step"):  # the native decoder (runtime/models/llama.py) hosts one
+            self.model.native_step = native.build(self.model, self.ops, self.device.type, native_step)
         if self.dtype == torch.float16:
             self._probe_float16(ckpt.config.get("bos_token_id"))
 

@@ -48,3 +48,16 @@ def prompts(vocab: int, lengths=(5, 16, 21, 1, 40), seed: int = 0) -> list[list[
     """Token-id prompts of the given lengths (ending mid-block, on a block edge, a single token...)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def rtn4_folder(hf, path) -> None:
+    """``hf`` with every linear but the head replaced by its rtn4 QuantLinear (in place), saved as compress does."""
+    from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
+    from compress.format.qlinear import QuantLinear
+    from compress.format.quant import Scheme, quantize_weight
+
+    scheme = Scheme(bits=4, group_size=32, sym=False)
+    for name, mod in list(hf.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and name != "lm_head":
+            set_module(hf, name, QuantLinear.from_quantized(quantize_weight(mod.weight.data, scheme), bias=mod.bias))
+    save_quantized(hf, None, path, build_quantization_config(hf, "rtn", scheme))

@@ -54,6 +54,7 @@ class DecoderLM(nn.Module):
         self.lm_head: nn.Module | None = None  # None: tied to embed_tokens
         # each layer ends with the next one's input norm (fused with the residual add), the last with the final norm
         self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        self.native_step = None  # the runner's NativeStep (runtime/kernels/native_step.py), where the model fits it
         if cfg.arch.embed_scale:  # Gemma: sqrt(hidden) rounded to the model dtype first, as transformers does
             self.embed_scale: float | None = float(torch.tensor(cfg.hidden_size ** 0.5).to(dtype))
         else:
@@ -63,6 +64,8 @@ class DecoderLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if self.native_step is not None and meta.num_prefill_tokens == 0 and meta.max_decode_q_len == 1:
+            return self.native_step.run(x, positions, meta)  # decode rows only: every layer in one native call
         tables = {key: rotary(positions, x.dtype) for key, rotary in self.rotary.items()}
         first = self.layers[0].input_norm
         h = x if first is None else first(x)

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", default="fp,int8,int4", help="engine LM heads to score")
     ap.add_argument("--modes", default="decode", help="decode and/or prefill")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--native-step", default="on", help="the native decode step: on, off, or on,off (both rows)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -43,13 +44,14 @@ def main(argv: list[str] | None = None) -> None:
     ref = perplexity(model, tok, texts, seqlen=a.seqlen, max_windows=a.max_windows).ppl
     rows = [{"path": "compress eval (transformers + QuantLinear, fp32)", "ppl": ref, "seconds": time.perf_counter() - tick}]
     del model
-    for mode in a.modes.split(","):
-        for head in a.heads.split(","):
-            lm = EngineLM(a.model, dtype=a.dtype, lm_head=head, mode=mode, max_len=a.seqlen)
-            tick = time.perf_counter()
-            ppl = perplexity(lm, tok, texts, seqlen=a.seqlen, max_windows=a.max_windows, batch_size=4).ppl
-            rows.append({"path": f"engine {mode}, {lm.dtype}, lm_head {lm.lm_head}, ops {lm.runner.ops.name}",
-                         "ppl": ppl, "seconds": time.perf_counter() - tick})
+    for mode, head, native in ((m, h, n) for m in a.modes.split(",") for h in a.heads.split(",")
+                               for n in a.native_step.split(",")):
+        lm = EngineLM(a.model, dtype=a.dtype, lm_head=head, mode=mode, max_len=a.seqlen, native_step=native == "on")
+        tick = time.perf_counter()
+        ppl = perplexity(lm, tok, texts, seqlen=a.seqlen, max_windows=a.max_windows, batch_size=4).ppl
+        step = "native step" if lm.runner.model.native_step is not None else "per-op step"
+        rows.append({"path": f"engine {mode}, {lm.dtype}, lm_head {lm.lm_head}, ops {lm.runner.ops.name}, {step}",
+                     "ppl": ppl, "seconds": time.perf_counter() - tick})
     print(f"{a.model}: {a.ppl} eval split, {a.max_windows} windows of {a.seqlen} tokens")
     print("| path | ppl | vs compress eval | seconds |\n|---|---:|---:|---:|")
     for r in rows:

@@ -9,7 +9,7 @@ from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.kernels import w8a8
 from runtime.sequence import SamplingParams
-from tiny_engine import hf_greedy, prompts, save_tiny
+from tiny_engine import hf_greedy, prompts, rtn4_folder, save_tiny
 from tiny_models import BLOCK_VARIANTS, FAMILIES, MOE_FAMILIES
 
 N_NEW = 12
@@ -238,19 +238,6 @@ def test_quantized_checkpoint_matches_transformers_with_the_same_quantlinears(tm
     got = packed.runner.forward([item])[0]
     # int8 activations (w8a8) add their rounding to the bf16 one on this tiny random model's flat logits
     assert (got - ref).norm() / ref.norm() < (4e-2 if path == "w8a8" else 2e-2)
-
-
-def rtn4_folder(hf, path) -> None:
-    """``hf`` with every linear but the head replaced by its rtn4 QuantLinear (in place), saved as compress does."""
-    from compress.format.checkpoint import build_quantization_config, save_quantized, set_module
-    from compress.format.qlinear import QuantLinear
-    from compress.format.quant import Scheme, quantize_weight
-
-    scheme = Scheme(bits=4, group_size=32, sym=False)
-    for name, mod in list(hf.named_modules()):
-        if isinstance(mod, torch.nn.Linear) and name != "lm_head":
-            set_module(hf, name, QuantLinear.from_quantized(quantize_weight(mod.weight.data, scheme), bias=mod.bias))
-    save_quantized(hf, None, path, build_quantization_config(hf, "rtn", scheme))
 
 
 @pytest.mark.parametrize("family", BLOCK_VARIANTS)

@@ -6,7 +6,7 @@
 // fp32 arithmetic inside, and in bf16 the same roundings eager torch makes (the residual add, silu(gate)
 // before the product, the two products and the sum of rotary), so the two paths agree to accumulation order.
 // Compiled with -ffp-contract=off: no fused multiply-adds that the reference does not make.
-#include "common.h"
+#include "fused_rows.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,23 +21,12 @@ namespace {
 
 using namespace compress_cpu;
 
-// out[r] = x[r] / rms(x[r]) * (offset + w); when delta is given, x[r] += delta[r] first, in place
+// rows of rms_row (fused_rows.h)
 template <typename T>
 void rms_rows(T* x, const T* delta, const T* w, T* out, int64_t rows, int64_t dim, float eps, float offset) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      T* xr = x + r * dim;
-      if (delta != nullptr) {
-        const T* dr = delta + r * dim;
-        for (int64_t i = 0; i < dim; ++i) st(xr, i, ld(xr, i) + ld(dr, i));
-      }
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < dim; ++i) ss += ld(xr, i) * ld(xr, i);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
-      T* orow = out + r * dim;
-      for (int64_t i = 0; i < dim; ++i) st(orow, i, ld(xr, i) * inv * (offset + ld(w, i)));
-    }
+    for (int64_t r = begin; r < end; ++r)
+      rms_row(x + r * dim, delta == nullptr ? nullptr : delta + r * dim, w, out + r * dim, dim, eps, offset);
   });
 }
 
@@ -73,37 +62,9 @@ at::Tensor add_rms_norm_(at::Tensor residual, const at::Tensor& delta, const at:
 
 template <typename T>
 void act_rows(const T* src, T* dst, int64_t rows, int64_t inter, int64_t act) {
-  const int64_t width = 2 * inter;
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> a(inter);
-    float* ap = a.data();
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = src + r * width;
-      const T* u = g + inter;
-      if (act == 0) {
-#pragma omp simd
-        for (int64_t c = 0; c < inter; ++c) {
-          const float x = ld(g, c);
-          ap[c] = x / (1.f + vexp(-x));
-        }
-      } else if (act == 1) {
-#pragma omp simd
-        for (int64_t c = 0; c < inter; ++c) {
-          const float x = ld(g, c);
-          const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-          ap[c] = 0.5f * x * (2.f - 2.f / (vexp(2.f * y) + 1.f));  // 1 + tanh(y)
-        }
-      } else {
-#pragma omp simd
-        for (int64_t c = 0; c < inter; ++c) {
-          const float x = ld(g, c);
-          ap[c] = 0.5f * x * (1.f + std::erf(x * 0.7071067811865476f));
-        }
-      }
-      T* o = dst + r * inter;
-#pragma omp simd
-      for (int64_t c = 0; c < inter; ++c) st(o, c, rounded<T>(ap[c]) * ld(u, c));
-    }
+    for (int64_t r = begin; r < end; ++r) act_row(src + r * 2 * inter, dst + r * inter, inter, act, a.data());
   });
 }
 
@@ -167,7 +128,7 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
               "contiguous in D");
   check_cpu(cos, "cos");
   check_cpu(sin, "sin");
-  const int64_t t = x.size(0), d = x.size(2), half = d / 2;
+  const int64_t t = x.size(0), d = x.size(2);
   TORCH_CHECK(heads <= x.size(1) && d % 2 == 0, "bad heads or odd head_dim");
   TORCH_CHECK(cos.numel() == t * d && sin.numel() == t * d, "cos/sin must be [T, 1, D]");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
@@ -180,16 +141,7 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
     at::parallel_for(0, t * heads, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t tok = i / heads, h = i % heads;
-        scalar_t* row = base + tok * row_stride + h * head_stride;
-        const scalar_t* c = cp + tok * d;
-        const scalar_t* s = sp + tok * d;
-        for (int64_t j = 0; j < half; ++j) {
-          const float x1 = ld(row, j), x2 = ld(row, j + half);
-          const float lo = rounded<scalar_t>(x1 * ld(c, j)) + rounded<scalar_t>(x2 * ld(s, j));
-          const float hi = rounded<scalar_t>(x2 * ld(c, j + half)) + rounded<scalar_t>(x1 * ld(s, j + half));
-          st(row, j, lo);
-          st(row, j + half, hi);
-        }
+        rope_row(base + tok * row_stride + h * head_stride, cp + tok * d, sp + tok * d, d);
       }
     });
   });
