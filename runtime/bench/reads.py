@@ -93,12 +93,21 @@ def trace_reads(module: nn.Module, step: Callable[[], object], exclude: Iterable
 
 def decode_step_reads(engine, sampling_cls, prompt: list[int]) -> StepReads:
     """The weight bytes of one batch-1 decode step of ``engine`` (a runtime.engine.Engine with nothing in flight):
-    ``prompt`` is prefilled untraced, then one decode step is traced; the KV pool is excluded."""
+    ``prompt`` is prefilled untraced, then one decode step is traced; the KV pool is excluded. The native decode step
+    (runtime/kernels/native_step.py) is one custom call the dispatcher does not see into, and reads the very buffers
+    the per-op path does, so the traced step runs per-op."""
     runner = engine.runner
     engine.add_request(prompt, sampling_cls(max_tokens=3, ignore_eos=True))
     engine.step()  # the prefill (a short prompt: one step)
     kv = [t for t in (runner.kv_cache, runner.kv_scales) if t is not None]
-    reads = trace_reads(runner.model, engine.step, kv)
+    model, native = runner.model, getattr(runner.model, "native_step", None)
+    if native is not None:
+        model.native_step = None
+    try:
+        reads = trace_reads(model, engine.step, kv)
+    finally:
+        if native is not None:
+            model.native_step = native
     while engine.has_unfinished():
         engine.step()
     return reads
