@@ -8,7 +8,7 @@ xgrammar fills a mask in 30-48 us on average (p99 69-127 us, slowest 0.2 ms); ll
 (p99 0.65-8.3 ms, slowest 1.3-25 ms: it builds lexer states lazily on the first tokens of a grammar). At 10-80 ms
 per decode step on CPU both are small, but xgrammar's is steady and several times lower; both read the HF
 tokenizer as it is. xgrammar's own CPU ``apply_token_bitmask_inplace`` takes ~600 us per 49k-wide row, so the
-bits are unpacked with numpy here instead (~5 us).
+bits are unpacked with numpy here instead (~45 us a row, the fill included).
 
 Flow: the server turns a request into a ``GuideSpec`` and compiles it (``Guides.compile``: a 400 for an invalid
 schema, before any work; compiled grammars are cached by a hash of the spec and the tokenizer). The compiled
@@ -114,11 +114,16 @@ class Guide:
 
 def _apply_bits(logits: Tensor, index: list[int], bitmask: Tensor) -> None:
     """-inf where bitmask row ``k`` forbids a token of logits row ``index[k]``."""
-    # bit j of word w allows token 32 w + j; little-endian bytes unpack in that order (3 us at V=49k, where
-    # xgrammar's CPU apply takes ~600 us)
+    # bit j of word w allows token 32 w + j; little-endian bytes unpack in that order. The words are inverted first,
+    # so the unpacked bytes are the forbidden tokens as a bool mask as they stand, and each row is filled in place
+    # through a view: ~45 us a 49k-wide row, against ~140 us gathering the rows, comparing and scattering them back
+    # (and ~600 us for xgrammar's own CPU apply)
     assert sys.byteorder == "little"
-    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:len(index), :logits.shape[1]]
-    logits[index] = logits[index].masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
+    words = np.invert(bitmask.numpy()[:len(index)])
+    forbid = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :logits.shape[1]]
+    forbid = torch.from_numpy(np.ascontiguousarray(forbid)).view(torch.bool)
+    for k, row in enumerate(index):
+        logits[row].masked_fill_(forbid[k], float("-inf"))
 
 
 def _state(seq) -> GuideState:
