@@ -132,24 +132,24 @@ def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap, guided: bool
     return out
 
 
+def _batches_holding(tokens: int, n: int, per_batch: int) -> int:  # of n batches, the first that hold tokens (0: all)
+    return n if not tokens else min(n, -(-tokens // per_batch))
+
+
 def _first_tokens(inputs: BlockInputs, tokens: int) -> BlockInputs:
     """The first batches of ``inputs`` that hold at least ``tokens`` tokens (all of them for 0)."""
-    per_batch = inputs.hidden[0].shape[0] * inputs.hidden[0].shape[1]
-    keep = len(inputs.hidden) if not tokens else min(len(inputs.hidden), -(-tokens // per_batch))
-    return inputs.split(len(inputs.hidden) - keep)[0]
+    n = len(inputs.hidden)
+    return inputs.split(n - _batches_holding(tokens, n, inputs.hidden[0].shape[:2].numel()))[0]
 
 
 def _carried_batches(run: Run, cfg: QuantizeConfig) -> list[Tensor]:
-    """The calibration batches the blocks carry: with RTN rounding and ``observe_tokens`` a dense model's blocks
-    read only the first fitting windows and the held-out ones, so the rest skip every block's forward (the same
-    result). GPTQ rounding, guided Hessians and MoE experts read every window."""
+    """The calibration batches the blocks carry: with RTN rounding and ``observe_tokens`` a dense model's blocks read
+    only the first fitting windows and the held-out ones (the same result). GPTQ, guided Hessians, experts read all."""
     if cfg.awq.rounding == "gptq" or cfg.gptq.guided or not cfg.awq.observe_tokens or run.experts is not None:
         return run.batches
     fit = run.fit_batches
-    keep = min(len(fit), -(-cfg.awq.observe_tokens // fit[0].numel()))
-    if keep < len(fit):
-        log.info("awq reads %d of %d fitting batches (observe_tokens %d) and %d held out: carrying only those",
-                 keep, len(fit), cfg.awq.observe_tokens, run.holdout)
+    keep = _batches_holding(cfg.awq.observe_tokens, len(fit), fit[0].numel())  # what _first_tokens keeps
+    log.info("awq carries the %d of %d fitting batches it reads, and %d held out", keep, len(fit), run.holdout)
     return fit[:keep] + run.held_batches
 
 

@@ -68,10 +68,15 @@ def format_for(parser: str, tokenizer) -> ToolFormat:
     return FORMATS[other if special in getattr(tokenizer, "all_special_tokens", ()) else parser]
 
 
+def _parameters(fn: dict) -> dict:
+    """A function's arguments schema (an object with no properties where it declares none)."""
+    return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
 def call_schema(tools: list[dict], fmt: ToolFormat, name: str | None = None) -> dict:
     """JSON schema of one call of ``name`` (or of any offered function)."""
     def one(fn: dict) -> dict:
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        params = _parameters(fn)
         return {"type": "object", "properties": {"name": {"const": fn["name"]}, fmt.args_key: params},
                 "required": ["name", fmt.args_key], "additionalProperties": False}
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
@@ -83,7 +88,7 @@ def guide_spec(tools: list[dict], fmt: ToolFormat, name: str | None = None, para
     array format with ``parallel`` (and no ``name``) may hold several calls."""
     if fmt.args_marker:  # the name sits outside the JSON: one call, its begin naming a function (any offered one)
         alternatives = [{"begin": f"{fmt.begin}{fn['name']}{fmt.args_marker}", "end": fmt.end,
-                         "schema": fn.get("parameters") or {"type": "object", "properties": {}}}
+                         "schema": _parameters(fn)}
                         for fn in (t["function"] for t in tools) if name is None or fn["name"] == name]
         return GuideSpec("tagged_json", json.dumps({"any": alternatives}, sort_keys=True))
     schema = call_schema(tools, fmt, name)
