@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from compress.errors import during
 from compress.format.checkpoint import set_module
+from compress.format.host import trim
 from compress.format.mappings import KEEP_FP
 from compress.format.qlinear import QuantLinear
 from compress.format.quant import QuantizedWeight
@@ -292,6 +293,7 @@ def run_sequential(model: nn.Module, batches: list[Tensor], per_block: PerBlock,
         store.release(i, block)
         check_finite(outputs, f"after block {i}")
         inputs = inputs.next(outputs, i + 1)
+        trim()  # the block's statistics and temporaries, freed: back to the OS before the next block's
         if progress:
             progress(i + 1, len(layers))
     store.finished(inputs)

@@ -2,6 +2,7 @@
 given back."""
 from __future__ import annotations
 
+import functools
 import re
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30,
@@ -29,14 +30,22 @@ def available_bytes() -> int | None:
         return None
 
 
-def trim() -> None:
-    """Give freed memory back to the OS. glibc keeps large freed chunks in its heap (its mmap threshold grows
-    with the sizes freed), so a loop that allocates and frees big tensors (a block at a time, a weight at a
-    time) otherwise creeps up in resident memory; elsewhere this does nothing."""
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ldconfig), or None elsewhere."""
     import ctypes
     import ctypes.util
 
     try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
     except (OSError, AttributeError, TypeError):  # not glibc
-        pass
+        return None
+
+
+def trim() -> None:
+    """Give freed memory back to the OS. glibc keeps large freed chunks in its heap (its mmap threshold grows
+    with the sizes freed), so a loop that allocates and frees big tensors (a block at a time, a weight at a
+    time, a sequence's graph at a time) otherwise creeps up in resident memory; elsewhere this does nothing."""
+    fn = _malloc_trim()
+    if fn is not None:
+        fn(0)
