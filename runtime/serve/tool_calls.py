@@ -11,17 +11,22 @@ the tokenizer holds ``[ARGS]`` as a special token, as vLLM's parser does by toke
 says how to call them; with "required" or a named function the output is constrained to calls of the offered
 functions, whose arguments follow their JSON-schema ``parameters``, so even a 135M model returns a valid call. A
 marker the tokenizer holds as a special token (Mistral's ``[TOOL_CALLS]``) is kept in the text of tool requests.
+
+A call's ``arguments`` are the model's raw JSON text, as OpenAI returns them, not a re-serialization: that is what a
+stream can send while the model writes it (runtime/serve/tool_stream.py), so streamed and unstreamed agree exactly.
+One scan (``scan``) reads an output for both: the calls so far, a last one still open included, each only growing.
 """
 from __future__ import annotations
 
 import json
 import random
-import re
 import string
 import uuid
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from runtime.guided import GuideSpec
+from runtime.serve.json_spans import OPEN, members, skip_blanks, value_end
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,7 @@ class ToolFormat:
 
     begin: str  # text before each call's JSON ("" for bare JSON), or before the array of all calls
     end: str
-    args_key: str  # the JSON key holding the arguments
+    args_key: str  # the JSON key the grammar puts the arguments under (the parse reads either of ARGS_KEYS)
     array: bool = False  # all calls in one JSON array after ``begin``, rather than ``begin`` + object + ``end`` each
     id_chars: int = 0  # call ids of this many letters and digits (the model's template refuses others); 0: call_<hex>
     args_marker: str = ""  # set: each call is begin + name + args_marker + the arguments' JSON (no JSON name key)
@@ -99,123 +104,168 @@ def guide_spec(tools: list[dict], fmt: ToolFormat, name: str | None = None, para
     return GuideSpec("tagged_json", json.dumps(source, sort_keys=True))
 
 
-def _call(obj, fmt: ToolFormat) -> dict | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+ARGS_KEYS = ("arguments", "parameters")  # where models put a call's arguments (both, whichever comes first)
+
+
+@dataclass(frozen=True)
+class CallText:
+    """One call as far as the output has written it: what a stream may send already and never takes back."""
+
+    name: str | None  # once its text is whole (and, for a named call, its arguments' "{" has begun)
+    arguments: str  # the model's raw arguments text so far; only grows, and is the final string once ``end`` is set
+    end: int  # the index past the call's text, OPEN while the model is still writing it
+
+
+class Scan(NamedTuple):
+    """An output's calls (a last one still open included) and, were the output finished, its content."""
+
+    calls: list[CallText]
+    content: str
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
         return None
-    args = obj.get(fmt.args_key, obj.get("arguments", obj.get("parameters", {})))
-    return {"id": fmt.new_id(), "type": "function",
-            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
 
 
-def _array_items(text: str, i: int) -> tuple[list, int]:
-    """The JSON values of the array starting at ``text[i]`` that a "," or "]" has closed (a lone object: itself),
-    and the index just past the array (-1 while it is open or broken)."""
-    dec, items = json.JSONDecoder(), []
-    if text.startswith("{", i):
-        try:
-            value, end = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return [], -1
-        return [value], end
-    if not text.startswith("[", i):
-        return [], -1
-    i += 1
-    while True:
-        while i < len(text) and text[i].isspace():
-            i += 1
-        try:
-            value, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return items, -1
-        while i < len(text) and text[i].isspace():
-            i += 1
-        if i >= len(text) or text[i] not in ",]":
-            return items, -1
-        items.append(value)
-        if text[i] == "]":
-            return items, i + 1
-        i += 1
+def _object_call(text: str, i: int) -> CallText | None:
+    """The call whose JSON object starts at ``text[i]``, as far as written; None where it is not (or cannot become)
+    one. Its arguments are the raw text of the first "arguments" or "parameters" member (a JSON string: the string
+    it holds; none: "{}"), so the text streamed while the model writes a call is the text of the finished call."""
+    m = members(text, i)
+    if m is None:
+        return None
+    name = None
+    if "name" in m.spans and m.spans["name"][1] != OPEN:
+        name = _loads(text[slice(*m.spans["name"])])
+        if not isinstance(name, str):
+            return None
+    key = min((k for k in ARGS_KEYS if k in m.spans), key=lambda k: m.spans[k][0], default=None)
+    if m.end == OPEN:
+        start, end = m.spans[key] if key else (0, 0)
+        growing = key is not None and text[start] in "{["  # a string or scalar is sent once the call is whole
+        return CallText(name, text[start:len(text) if end == OPEN else end] if growing else "", OPEN)
+    if name is None or not isinstance(_loads(text[i:m.end]), dict):
+        return None
+    args = text[slice(*m.spans[key])] if key else "{}"
+    value = _loads(args)
+    return CallText(name, value if isinstance(value, str) else args, m.end)
 
 
-def _parse_array(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
-    """The calls of the JSON array after the first ``begin`` marker (those a "," or "]" closed, so an array cut
-    short keeps its whole calls); the text before the marker and after the array is content."""
+def _tagged(text: str, fmt: ToolFormat) -> Scan:
+    """``begin {call} end`` calls anywhere in the text: each a whole JSON call after a marker, its end tag (where
+    written) taken with it; a marker not followed by one stays content."""
+    marker, end_tag = fmt.begin.strip(), fmt.end.strip()
+    calls, kept, last, i = [], [], 0, 0
+    while (at := text.find(marker, i)) >= 0:
+        i = at + len(marker)
+        j = skip_blanks(text, i)
+        call = CallText(None, "", OPEN) if j == len(text) else _object_call(text, j)
+        if call is None:
+            continue
+        calls.append(call)
+        if call.end == OPEN:
+            break
+        k = skip_blanks(text, call.end)
+        i = k + len(end_tag) if end_tag and text.startswith(end_tag, k) else call.end
+        kept.append(text[last:at])
+        last = i
+    return Scan(calls, "".join(kept) + text[last:])
+
+
+def _bare(text: str, fmt: ToolFormat) -> Scan:
+    """The whole output as JSON calls joined by ";" (a cut last one dropped); anything else is content."""
+    calls, i = [], skip_blanks(text, 0)
+    while i < len(text):
+        call = _object_call(text, i)
+        if call is None:
+            return Scan([], text)
+        calls.append(call)
+        if call.end == OPEN:
+            break
+        i = skip_blanks(text, call.end)
+        if i < len(text) and text[i] != ";":
+            return Scan([], text)
+        i = skip_blanks(text, i + 1)
+    return Scan(calls, "" if calls else text)
+
+
+def _array(text: str, fmt: ToolFormat) -> Scan:
+    """The calls of the JSON array (or lone object) after the first ``begin``, up to the first item that is not a
+    call or the array's end; the text before the marker and after a closed array is content."""
     marker = fmt.begin.strip()
     at = text.find(marker)
     if at < 0:
-        return text, []
-    start = at + len(marker)
-    start += len(text[start:]) - len(text[start:].lstrip())
-    items, end = _array_items(text, start)
-    calls = [_call(obj, fmt) for obj in items]
-    if not calls or not all(calls):
-        return text, []
-    content = (text[:at] + (text[end:] if end >= 0 else "")).strip()
-    return content or None, calls
+        return Scan([], text)
+    i = skip_blanks(text, at + len(marker))
+    lone = text.startswith("{", i)
+    if not lone and not text.startswith("[", i):
+        return Scan([], text)
+    calls, j, end = [], i if lone else skip_blanks(text, i + 1), OPEN
+    while j < len(text) and (call := _object_call(text, j)) is not None:
+        calls.append(call)
+        if call.end == OPEN:
+            break
+        j = skip_blanks(text, call.end)
+        if lone or text.startswith("]", j):
+            end = call.end if lone else j + 1
+            break
+        if not text.startswith(",", j):
+            break
+        j = skip_blanks(text, j + 1)
+    if not calls:
+        return Scan([], text)
+    return Scan(calls, text[:at] + (text[end:] if end != OPEN else ""))
 
 
-def _parse_named(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
-    """``begin name args_marker {...}`` calls from the first ``begin``: each whole call, up to the first that is
-    not (a call cut short is dropped, other text after the calls is content)."""
-    marker, dec = fmt.begin.strip(), json.JSONDecoder()
+def _named(text: str, fmt: ToolFormat) -> Scan:
+    """``begin name args_marker {...}`` calls from the first ``begin``: up to the first that is not one (a call cut
+    short is dropped, other text after the calls is content). The name goes out once its arguments' "{" begins."""
+    marker = fmt.begin.strip()
     at = text.find(marker)
     if at < 0:
-        return text, []
+        return Scan([], text)
     calls, i = [], at
     while text.startswith(marker, i):
         sep = text.find(fmt.args_marker, i + len(marker))
         name = text[i + len(marker):sep].strip() if sep >= 0 else ""
-        j = sep + len(fmt.args_marker)
-        j += len(text[j:]) - len(text[j:].lstrip())
-        try:
-            args, j = dec.raw_decode(text, j)
-        except json.JSONDecodeError:
+        j = skip_blanks(text, sep + len(fmt.args_marker))
+        if sep < 0 or j == len(text):
+            calls.append(CallText(None, "", OPEN))
             break
-        if not name or any(c.isspace() for c in name) or not isinstance(args, dict):
+        end = value_end(text, j)
+        if not name or any(c.isspace() for c in name) or not text.startswith("{", j) or end is None:
             break
-        calls.append(_call({"name": name, fmt.args_key: args}, fmt))
-        i = j + len(text[j:]) - len(text[j:].lstrip())
-    if not calls:
-        return text, []
-    rest = "" if text.startswith(marker, i) else text[i:]
-    return (text[:at] + rest).strip() or None, calls
+        if end == OPEN:
+            calls.append(CallText(name, text[j:], OPEN))
+            break
+        if not isinstance(_loads(text[j:end]), dict):
+            break
+        calls.append(CallText(name, text[j:end], end))
+        i = skip_blanks(text, end)
+    if not any(c.end != OPEN for c in calls):
+        return Scan(calls, text)
+    return Scan(calls, text[:at] + ("" if text.startswith(marker, i) else text[i:]))
 
 
-def closed_calls(text: str, fmt: ToolFormat) -> list[dict]:
-    """The calls an unfinished output has closed so far, each as ``parse`` of the finished output will find it: in
-    an array, the calls a "," or "]" followed; tagged calls up to the last end tag; bare JSON only when finished."""
+def scan(text: str, fmt: ToolFormat) -> Scan:
+    """The calls the output holds so far, each as far as written, and its content were it finished."""
     if fmt.array:
-        return _parse_array(text, fmt)[1]
-    if fmt.args_marker:  # a call is whole once its arguments' JSON closes
-        return _parse_named(text, fmt)[1]
-    end = fmt.end.strip()
-    cut = text.rfind(end) if end else -1
-    return parse(text[:cut + len(end)], fmt)[1] if cut >= 0 else []
+        return _array(text, fmt)
+    if fmt.args_marker:
+        return _named(text, fmt)
+    return _tagged(text, fmt) if fmt.begin else _bare(text, fmt)
 
 
 def parse(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
-    """``(content, tool_calls)`` of a finished output; text that is not a well-formed call stays content."""
-    if fmt.array:
-        return _parse_array(text, fmt)
-    if fmt.args_marker:
-        return _parse_named(text, fmt)
-    if not fmt.begin:  # bare JSON: the whole output is one call, or several joined by ";"
-        try:
-            calls = [_call(json.loads(part), fmt) for part in text.split(";") if part.strip()]
-        except json.JSONDecodeError:
-            return text, []
-        return (None, calls) if calls and all(calls) else (text, [])
-    pattern = re.compile(re.escape(fmt.begin.strip()) + r"\s*(\{.*?\})\s*(?:" + re.escape(fmt.end.strip()) + r"|$)",
-                         re.DOTALL)
-    calls, kept, last = [], [], 0
-    for m in pattern.finditer(text):
-        try:
-            call = _call(json.loads(m.group(1)), fmt)
-        except json.JSONDecodeError:
-            call = None
-        if call is not None:
-            calls.append(call)
-            kept.append(text[last:m.start()])
-            last = m.end()
-    content = ("".join(kept) + text[last:]).strip() if calls else text
-    return content or None, calls
+    """``(content, tool_calls)`` of a finished output; text that is not a well-formed call stays content, a call cut
+    short (max_tokens) is dropped. Arguments are the model's raw JSON text, as OpenAI returns them and as they
+    stream (runtime/serve/tool_stream.py)."""
+    found = scan(text, fmt)
+    calls = [{"id": fmt.new_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+             for c in found.calls if c.end != OPEN]
+    if not calls:
+        return text, []
+    return found.content.strip() or None, calls

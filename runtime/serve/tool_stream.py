@@ -1,14 +1,23 @@
 """Streamed tool calls as OpenAI streams them: the text before the first call as ``content`` deltas while it is
-generated, then each call, once its JSON is closed, as a first delta ``{index, id, type, function: {name,
-arguments: ""}}`` and a delta ``{index, function: {arguments}}``; the finished output's parse decides the rest.
+generated, then each call as a first delta ``{index, id, type, function: {name, arguments: ""}}`` as soon as its
+name is whole, and deltas ``{index, function: {arguments}}`` with each piece of its arguments as the model writes
+them; the finished output's parse sends the rest.
+
+The arguments streamed are the model's raw JSON text (runtime/serve/tool_calls.py returns the same text unstreamed,
+as OpenAI does, rather than re-serializing it), so their concatenation is the unstreamed ``arguments`` exactly.
+Inside an arguments object or array every character written belongs to it, so nothing is held back there; an
+argument value that is a JSON string (or missing) goes out whole once the call's JSON closes.
 
 What a client accumulates equals the unstreamed message: the same calls (names, arguments; ids are new per
 request) and the same content, except that content before a call keeps a leading blank the unstreamed answer
 strips. Text that could still become a call marker, and blanks that could precede one, wait for the next output.
+What is sent is never taken back, so a call whose JSON breaks after its name went out (only unguided, from a model
+that writes malformed calls, or one cut by max_tokens) stays in the stream as far as it went, while the unstreamed
+parse leaves it out.
 """
 from __future__ import annotations
 
-from runtime.serve.tool_calls import ToolFormat, closed_calls
+from runtime.serve.tool_calls import ToolFormat, scan
 
 
 class ToolStream:
@@ -19,7 +28,7 @@ class ToolStream:
         self.marker = fmt.begin.strip()
         self.content = ""  # content streamed so far
         self.calls_from: int | None = None  # where the first call starts in the output, once seen
-        self.ids: list[str] = []  # the streamed calls' ids, by index
+        self.sent: list[str] = []  # each call's arguments streamed so far, by index (a call is in it once named)
 
     def _calls_start(self, text: str) -> int | None:
         if self.marker:
@@ -46,14 +55,15 @@ class ToolStream:
             end = len(text) if self.calls_from == -1 else self._content_end(text)
             return self._text(text[:end])
         deltas = self._text(text[:self.calls_from].rstrip())
-        return deltas + self._calls(closed_calls(text[self.calls_from:], self.fmt))
+        calls = scan(text[self.calls_from:], self.fmt).calls
+        return deltas + self._calls([(c.name, c.arguments) for c in calls])
 
     def finish(self, content: str | None, calls: list[dict]) -> list[dict]:
         """The deltas left once the finished output parsed to ``content`` and ``calls``."""
         content = content or ""
         rest = next((content[len(p):] for p in (self.content, self.content.lstrip()) if content.startswith(p)), "")
         deltas = [{"content": rest}] if rest else []
-        return deltas + self._calls(calls)
+        return deltas + self._calls([(c["function"]["name"], c["function"]["arguments"]) for c in calls])
 
     def _text(self, content: str) -> list[dict]:
         if not content.startswith(self.content) or len(content) == len(self.content):
@@ -61,12 +71,18 @@ class ToolStream:
         new, self.content = content[len(self.content):], content
         return [{"content": new}]
 
-    def _calls(self, calls: list[dict]) -> list[dict]:
+    def _calls(self, calls: list[tuple[str | None, str]]) -> list[dict]:
+        """A first delta for each call newly named, and the arguments each has grown by since the last deltas."""
         deltas = []
-        for k, call in enumerate(calls[len(self.ids):self.limit], start=len(self.ids)):
-            fn = call["function"]
-            self.ids.append(call["id"])
-            deltas += [{"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                        "function": {"name": fn["name"], "arguments": ""}}]},
-                       {"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]}]
+        for k, (name, arguments) in enumerate(calls[:self.limit]):
+            if k == len(self.sent):
+                if name is None:
+                    break
+                self.sent.append("")
+                deltas.append({"tool_calls": [{"index": k, "id": self.fmt.new_id(), "type": "function",
+                                               "function": {"name": name, "arguments": ""}}]})
+            sent = self.sent[k]
+            if len(arguments) > len(sent) and arguments.startswith(sent):
+                self.sent[k] = arguments
+                deltas.append({"tool_calls": [{"index": k, "function": {"arguments": arguments[len(sent):]}}]})
         return deltas

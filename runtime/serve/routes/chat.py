@@ -102,7 +102,7 @@ class _ChatShape:
         return chat_chunk(self.sub.rid, self.model, [choice])
 
     def tool_chunks(self, c: Choice, out) -> list[dict]:
-        """With tools: content as it comes, each call once its JSON closes (runtime/serve/tool_stream.py)."""
+        """With tools: content as it comes, each call once named, its arguments as written (tool_stream.py)."""
         stream = self.streams.setdefault(c.index, ToolStream(self.fmt, self.req.parallel_tool_calls))
         if out.finished:
             content, calls, finish = _message(c, self.req, self.fmt)

@@ -48,6 +48,19 @@ def test_llama3_json_parse():
     assert parse("The answer is 4.", fmt) == ("The answer is 4.", [])
 
 
+def test_the_parse_reads_json_not_patterns():
+    """Markers and separators inside JSON strings are text; arguments are the model's raw text; a whole call is a
+    call even where the model forgets the end tag."""
+    hermes, llama = FORMATS["hermes"], FORMATS["llama3_json"]
+    content, calls = parse('<tool_call>\n{"name": "f", "arguments": {"s": "}\\n</tool_call>", "t": "é"}}\n</tool_call>',
+                           hermes)
+    assert content is None and calls[0]["function"]["arguments"] == '{"s": "}\\n</tool_call>", "t": "é"}'
+    assert parse('{"name": "f", "parameters": {"q": "a;b"}}', llama)[1][0]["function"]["arguments"] == '{"q": "a;b"}'
+    content, calls = parse('<tool_call>{"name": "f", "arguments": {"x":1}} then', hermes)
+    assert content == "then" and calls[0]["function"]["arguments"] == '{"x":1}'
+    assert parse('{"name": "f", "arguments": {"x": 1}}', llama)[1][0]["function"]["arguments"] == '{"x": 1}'
+
+
 def test_round_trip_through_the_template(model_dir):  # noqa: F811
     """An assistant turn with calls, rendered by the template, parses back to the same calls."""
     from transformers import AutoTokenizer
@@ -151,3 +164,19 @@ def test_content_streams_before_a_call(served):
              for d in [e.chunk.choices[0].delta] if d.content or d.tool_calls]
     assert kinds[0] == "content" and kinds[-1] == "call" and kinds.index("call") > 1  # text came in pieces first
     assert streamed.finish_reason == "tool_calls"
+
+
+def test_arguments_stream_as_the_model_writes_them(served):
+    """The real client sees the call's name first, then its arguments in several pieces, which add up to the
+    unstreamed arguments: the model's own text (a regex stands in for a model that writes it)."""
+    forced = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "c"\}\}\n</tool_call>')
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "w"}], tools=[WEATHER], max_tokens=150,
+              temperature=0, extra_body={"guided_regex": forced})
+    streamed, whole, chunks = streamed_and_whole(served.client(), **kw)
+    assert calls_of(whole) == calls_of(streamed) == [("get_weather", '{"city": "Oslo", "unit": "c"}')]
+    deltas = [e.chunk.choices[0].delta for e in chunks if e.type == "chunk" and e.chunk.choices]
+    pieces = [t for d in deltas for t in d.tool_calls or ()]
+    assert pieces[0].id and pieces[0].function.name == "get_weather" and pieces[0].function.arguments == ""
+    assert all(t.id is None and t.index == 0 for t in pieces[1:]) and len(pieces) > 2
+    assert "".join(t.function.arguments for t in pieces) == '{"city": "Oslo", "unit": "c"}'
+    assert streamed.finish_reason == whole.finish_reason == "tool_calls"

@@ -11,7 +11,7 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from live_server import char_tokenizer  # noqa: E402
-from runtime.serve.tool_calls import FORMATS, closed_calls, format_for, guide_spec, parse  # noqa: E402
+from runtime.serve.tool_calls import FORMATS, format_for, guide_spec, parse, scan  # noqa: E402
 from test_tool_calls import TIME, WEATHER, calls_of, check_call, streamed_and_whole  # noqa: E402
 from test_tool_calls_mistral import MISTRAL_SPECIALS, names_args, serve_tiny_mistral  # noqa: E402
 
@@ -56,9 +56,11 @@ def test_v11_parse():
     for kept in ("plain words", "[TOOL_CALLS]f[ARGS]{broken", "[TOOL_CALLS]two words[ARGS]{}", "[TOOL_CALLS]f[ARGS][1]",
                  '[TOOL_CALLS]f{"a": 1}'):
         assert parse(kept, V11) == (kept, [])
-    # streamed: a call is whole once its arguments' JSON closes
-    assert closed_calls('[TOOL_CALLS]f[ARGS]{"a": {"b": 1', V11) == []
-    assert names_args(closed_calls('[TOOL_CALLS]f[ARGS]{"a": {"b": 1}}[TOOL_CALLS]g', V11)) == [("f", {"a": {"b": 1}})]
+    # streamed: a call is named once its arguments' "{" begins, and whole once they close
+    def so_far(text):
+        return [(c.name, c.arguments) for c in scan(text, V11).calls]
+    assert so_far('[TOOL_CALLS]f[ARGS]{"a": {"b": 1') == [("f", '{"a": {"b": 1')]
+    assert so_far('[TOOL_CALLS]f[ARGS]{"a": {"b": 1}}[TOOL_CALLS]g') == [("f", '{"a": {"b": 1}}'), (None, "")]
 
 
 def test_v11_guide_is_one_call_of_an_offered_function():

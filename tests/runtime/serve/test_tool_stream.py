@@ -1,23 +1,58 @@
-"""Streamed tool calls: outputs fed a few characters at a time, the deltas accumulated as OpenAI's client does, equal
-the finished output's parse; each call goes out as soon as its JSON is closed, in OpenAI's two-delta shape."""
+"""Streamed tool calls: outputs fed a token-sized piece (and a character) at a time, the deltas accumulated as
+OpenAI's client does, equal the finished output's parse; each call's name goes out before its arguments close, the
+arguments in pieces as they are written, and nothing sent is ever taken back."""
+import json
+import re
+
 import pytest
 
-from runtime.serve.tool_calls import FORMATS, parse
+from runtime.serve.tool_calls import FORMATS, parse, scan
 from runtime.serve.tool_stream import ToolStream
 
-OUTPUTS = [
-    ("hermes", 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": "}"}}\n</tool_call>\n'
-               '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'),
+# name-first calls with argument objects, as models write them: (a) to (d) all hold
+STREAMED = [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "g", "arguments": {"a": "}\\n</tool_call>", "b": [1, {"c": null}]}}'
+               '\n</tool_call>'),
+    # compact, as guided decoding writes it
+    ("hermes", '<tool_call>\n{"name":"f","arguments":{"x":1,"y":"\\u00e9 é","z":{}}}\n</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": {"x": 1, "q": "a;b"}}; {"name": "g", "parameters": {"z": [1, 2]}}'),
+    ("llama3_json", '{"name": "f", "arguments": {"x": 1.5e3, "y": false}}'),
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"x": [1, 2], "y": "]"}}, '
+                '{"name": "g", "arguments": {"k": "v", "w": 2}}]'),
+    ("mistral", '[TOOL_CALLS] {"name": "f", "arguments": {"a": 1, "b": 2}}'),  # a lone object
+    ("mistral_v11", 'On it.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "c"}[TOOL_CALLS]get_time[ARGS] '
+                    '{"zone": 1, "dst": true}'),
+]
+# content, broken calls, arguments after the name or not an object: (c) and (d) hold
+OTHERS = [
     ("hermes", "No tools needed: <tool the answer is 4.  "),
     ("hermes", 'Broken <tool_call>\n{"name": oops}\n</tool_call> then <tool_call>\n{"name": "h", "arguments": {}}'),
     ("hermes", 'Before <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> and after'),
-    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"x": [1, 2]}}, {"name": "g", "arguments": {}}]'),
-    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "argu'),  # cut by max_tokens
+    ("hermes", '<tool_call>\n{"arguments": {"x": 1, "y": 2}, "name": "f"}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call>'),  # arguments as a string
+    ("hermes", '<tool_call>\n{"name": "f"}\n</tool_call>'),  # no arguments: "{}"
     ("mistral", "[TOOL_CALLS] [1, 2]"),
     ("mistral", "Plain [TOOL words]"),
-    ("llama3_json", '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}'),
     ("llama3_json", "The answer is {4}."),
+    ("llama3_json", '{"answer": 4}'),
+    ("mistral_v11", "[TOOL_CALLS]f[ARGS]{} done"),
+    ("mistral_v11", "[TOOL_CALLS]two words[ARGS]{}"),
 ]
+# cut by max_tokens inside a call: the stream holds the parse's calls and the cut one as far as it went
+CUT = [
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "argu'),
+    ("mistral_v11", '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{"b'),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1, "b'),
+]
+MARKERS = re.compile(r"<tool_call>|</tool_call>|\[TOOL_CALLS\]|\[ARGS\]| ?\w+| ?[^\w\s]+|\s+")
+
+
+def token_pieces(text: str) -> list[str]:
+    """The output as a BPE tokenizer might cut it: markers whole, words and runs of punctuation with their blank."""
+    pieces = MARKERS.findall(text)
+    assert "".join(pieces) == text
+    return pieces
 
 
 def accumulate(deltas: list[dict], into: dict) -> None:
@@ -25,43 +60,79 @@ def accumulate(deltas: list[dict], into: dict) -> None:
     for d in deltas:
         into["content"] += d.get("content") or ""
         for tc in d.get("tool_calls", ()):
-            call = into["calls"].setdefault(tc["index"], {"id": None, "name": "", "arguments": ""})
+            call = into["calls"].setdefault(tc["index"], {"id": None, "name": "", "arguments": "", "pieces": 0})
             assert ("id" in tc) == (call["id"] is None), "the id (and name) come once, in a call's first delta"
+            assert tc["index"] == len(into["calls"]) - 1 or "id" not in tc, "calls are numbered in order"
             if "id" in tc:
                 assert tc["type"] == "function" and tc["function"]["arguments"] == ""
                 call.update(id=tc["id"], name=tc["function"]["name"])
+            else:
+                assert tc["function"]["arguments"], "no empty argument deltas"
+                call["pieces"] += 1
             call["arguments"] += tc["function"]["arguments"]
 
 
-def run(fmt_name: str, text: str, piece: int = 3, parallel: bool = True):
+def run(fmt_name: str, text: str, pieces: list[str], parallel: bool = True):
+    """Streams ``text`` in ``pieces``; checks after every step that what was sent is a prefix of the final message
+    (d), and returns the accumulated message, the parse, and how far the output was when each call was named."""
     fmt, stream = FORMATS[fmt_name], ToolStream(FORMATS[fmt_name], parallel)
-    got, first_seen = {"content": "", "calls": {}}, {}
-    for end in range(piece, len(text) + piece, piece):
-        accumulate(stream.step(text[:end]), got)
-        for k in got["calls"]:
-            first_seen.setdefault(k, min(end, len(text)))
     content, calls = parse(text, fmt)
     calls = calls if parallel else calls[:1]
+    final = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    got, named_at, end = {"content": "", "calls": {}}, {}, 0
+    for piece in pieces:
+        end += len(piece)
+        accumulate(stream.step(text[:end]), got)
+        for k, call in got["calls"].items():
+            named_at.setdefault(k, end)
+            if k < len(final):  # (d): nothing sent changes later
+                assert call["name"] == final[k][0] and final[k][1].startswith(call["arguments"])
+        assert (content or "").startswith(got["content"].lstrip())
     accumulate(stream.finish(content, calls), got)
-    return got, content, calls, first_seen
+    return got, content, final, named_at
 
 
-@pytest.mark.parametrize("fmt_name,text", OUTPUTS)
-@pytest.mark.parametrize("piece", [1, 4])
-def test_accumulated_stream_equals_the_parse(fmt_name, text, piece):
-    got, content, calls, _ = run(fmt_name, text, piece)
+def split(text: str, how: str) -> list[str]:
+    return token_pieces(text) if how == "tokens" else list(text)
+
+
+@pytest.mark.parametrize("fmt_name,text", STREAMED + OTHERS)
+@pytest.mark.parametrize("how", ["tokens", "chars"])
+def test_accumulated_stream_equals_the_parse(fmt_name, text, how):
+    got, content, final, _ = run(fmt_name, text, split(text, how))
     assert got["content"] == (content or "")
-    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == [
-        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == final
 
 
-def test_calls_go_out_as_soon_as_they_close():
-    text = OUTPUTS[0][1]
-    _, _, _, first_seen = run("hermes", text, piece=1)
-    assert first_seen[0] == text.index("</tool_call>") + len("</tool_call>") < len(text)
-    text = OUTPUTS[4][1]
-    _, _, _, first_seen = run("mistral", text, piece=1)
-    assert first_seen[0] == text.index("}}, ") + 3 and first_seen[1] == len(text)
+@pytest.mark.parametrize("fmt_name,text", STREAMED)
+@pytest.mark.parametrize("how", ["tokens", "chars"])
+def test_names_go_out_first_and_arguments_in_pieces(fmt_name, text, how):
+    got, _, final, named_at = run(fmt_name, text, split(text, how))
+    assert final and len(got["calls"]) == len(final)
+    at = 0
+    for k, (name, arguments) in enumerate(final):
+        at = text.index(arguments, at) + len(arguments)  # where the call's arguments close
+        assert named_at[k] < at  # (a)
+        if len(json.loads(arguments)) > 1:
+            assert got["calls"][k]["pieces"] > 1  # (b)
+
+
+@pytest.mark.parametrize("fmt_name,text", CUT)
+def test_a_call_cut_short_streams_as_far_as_it_went(fmt_name, text):
+    got, _, final, _ = run(fmt_name, text, token_pieces(text))
+    streamed = [(c["name"], c["arguments"]) for c in got["calls"].values()]
+    assert streamed[:len(final)] == final and len(streamed) == len(final) + 1
+    name, arguments = streamed[-1]
+    assert name in text and text.endswith(arguments)
+
+
+def test_arguments_are_the_models_raw_text():
+    """Unstreamed too: what the model wrote (no re-serializing that would reorder, respace or escape it)."""
+    for fmt_name, text in STREAMED:
+        for call in parse(text, FORMATS[fmt_name])[1]:
+            assert call["function"]["arguments"] in text
+    assert parse('<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}', FORMATS["hermes"])[1][0]["function"][
+        "arguments"] == '{"x": 1}'
 
 
 def test_content_streams_before_the_call_and_holds_a_possible_marker():
@@ -73,6 +144,26 @@ def test_content_streams_before_the_call_and_holds_a_possible_marker():
     assert stream.finish(text, []) == [{"content": " <tool_call>\n{"}]
 
 
+def test_the_name_goes_out_once_whole_then_the_arguments_as_written():
+    stream = ToolStream(FORMATS["hermes"], True)
+    assert stream.step('<tool_call>\n{"name": "get_wea') == []
+    (first,) = stream.step('<tool_call>\n{"name": "get_weather", ')
+    assert first["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert stream.step('<tool_call>\n{"name": "get_weather", "arguments": {"ci') == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}]
+    v11 = ToolStream(FORMATS["mistral_v11"], True)
+    assert v11.step("[TOOL_CALLS]get_time[ARGS]") == []  # named, but sent with its arguments' "{"
+    assert [d["tool_calls"][0]["function"] for d in v11.step('[TOOL_CALLS]get_time[ARGS]{"zo')] == [
+        {"name": "get_time", "arguments": ""}, {"arguments": '{"zo'}]
+
+
+def test_calls_so_far_hold_the_open_one():
+    calls = scan('[TOOL_CALLS]f[ARGS]{"a": {"b": 1}}[TOOL_CALLS]g[ARGS]{"c": [', FORMATS["mistral_v11"]).calls
+    assert [(c.name, c.arguments, c.end > 0) for c in calls] == [("f", '{"a": {"b": 1}}', True),
+                                                                 ("g", '{"c": [', False)]
+
+
 def test_one_call_without_parallel_calls():
-    got, _, calls, _ = run("mistral", OUTPUTS[4][1], parallel=False)
-    assert len(calls) == 1 and [c["name"] for c in got["calls"].values()] == ["f"]
+    text = STREAMED[4][1]
+    got, _, final, _ = run("mistral", text, token_pieces(text), parallel=False)
+    assert len(final) == 1 and [(c["name"], c["arguments"]) for c in got["calls"].values()] == final
