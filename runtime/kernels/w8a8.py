@@ -1,12 +1,14 @@
 """Integer weights times int8 activations on CPU (runtime/kernels/cpu/qgemv.cpp): the decode step's linears.
 
-``W8A8Linear`` carries a QuantLinear's own 4-bit or 8-bit integer codes, scales and zeros (nothing is
-re-quantized) in the layout the kernel reads, and runs ``torch.ops.compress_cpu.w8a8_linear``. The
+``W8A8Linear`` carries a QuantLinear's own 4-bit or 8-bit integer codes (nothing is re-quantized) in the layout
+the kernel reads, with each group's scale and scale * zero in fp16 (:func:`half_scales`: 2 bytes each, where
+batch-1 decode is bound by the bytes it reads), and runs ``torch.ops.compress_cpu.w8a8_linear``. The
 activations are rounded to int8 per block of 32 inside the kernel (as llama.cpp does for its Q4/Q8 dot
-products), which is the only numeric difference from ``QuantLinear.forward``; ``w8a8_reference`` is the
-same computation in torch, for the tests. The kernel was made for few rows (batch-1 and small-batch decode); without
-AMX it also beats oneDNN's bf16 GEMM on many, and with AMX ``runtime/kernels/qmatmul.py`` routes larger calls to a
-bf16 GEMM on the weight dequantized into a shared buffer (``ScratchLinear``, tile_dequant.cpp).
+products), which with the fp16 rounding of those two numbers (at most 2^-11 of each) is the only difference
+from ``QuantLinear.forward``; ``w8a8_reference`` is the same computation in torch, for the tests. The kernel was
+made for few rows (batch-1 and small-batch decode); without AMX it also beats oneDNN's bf16 GEMM on many, and
+with AMX ``runtime/kernels/qmatmul.py`` routes larger calls to a bf16 GEMM on the weight dequantized into a
+shared buffer (``ScratchLinear``, tile_dequant.cpp).
 
 NF4 codes stay 4 bits a weight: the kernel maps each through a 16-entry table (:func:`nf4_table`) to the
 8-bit code ``round(127 * NF4[q]) + 128`` with zero point 128 and scale ``absmax / 127``; the table's rounding

@@ -143,8 +143,8 @@ void gemv_range(const QWeight& q, const int8_t* xq, const float* sa, const float
     const int64_t mr = std::min(MAXM, m - r0);
     auto run = [&](auto bits_c, auto lut_c, auto m_c) {
       gemv_tiles<decltype(bits_c)::value, decltype(m_c)::value, decltype(lut_c)::value, T>(
-          q.w, q.scale, q.szero, q.unscale, xq + r0 * q.k, sa + r0 * nb, gsum + r0 * ng, gidx, q.lut, out + r0 * q.n_out, q.k,
-          q.n_out, q.group, t0, t1);
+          q.w, q.scale, q.szero, q.unscale, xq + r0 * q.k, sa + r0 * nb, gsum + r0 * ng, gidx, q.lut,
+          out + r0 * q.n_out, q.k, q.n_out, q.group, t0, t1);
     };
     auto with_m = [&](auto bits_c, auto lut_c) {
       switch (mr) {
