@@ -2,7 +2,7 @@
 seen (a ``TorchDispatchMode``), and each weight tensor an op takes counts once, at the size it is read.
 
 A decode step's speed on CPU is bound by these bytes: the packed linears as the kernels hold them (runtime/kernels/
-w8a8.py's tiles with their fp32 scales, not the checkpoint's int32 words), the LM head (a tied int8 head reads the
+w8a8.py's tiles with their fp16 scales, not the checkpoint's int32 words), the LM head (a tied int8 head reads the
 whole table), the norms. A table that ops only gather rows from (the embedding, rotary caches) counts the rows
 gathered. Copies the step does not touch (a dense copy for long prompts) count nothing; the KV cache is left out
 (``exclude``): what it reads grows with the context, not with the model.

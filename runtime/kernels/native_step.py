@@ -99,7 +99,8 @@ class NativeStep:
             for parent, name in LINEARS:
                 k = w8a8_kernel(getattr(getattr(layer, parent), name))
                 bias = None if k.bias is None else k.bias.to(dtype)
-                self.step.add_linear(k.weight, k.scale, k.szero, k.bits, k.group, k.out_features, k.lut, bias)
+                self.step.add_linear(k.weight, k.scale, k.szero, k.unscale, k.bits, k.group, k.out_features, k.lut,
+                                     bias)
         self._run = self.step.run
 
     def run(self, x: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:

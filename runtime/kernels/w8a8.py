@@ -1,12 +1,14 @@
 """Integer weights times int8 activations on CPU (runtime/kernels/cpu/qgemv.cpp): the decode step's linears.
 
-``W8A8Linear`` carries a QuantLinear's own 4-bit or 8-bit integer codes, scales and zeros (nothing is
-re-quantized) in the layout the kernel reads, and runs ``torch.ops.compress_cpu.w8a8_linear``. The
+``W8A8Linear`` carries a QuantLinear's own 4-bit or 8-bit integer codes (nothing is re-quantized) in the layout
+the kernel reads, with each group's scale and scale * zero in fp16 (:func:`half_scales`: 2 bytes each, where
+batch-1 decode is bound by the bytes it reads), and runs ``torch.ops.compress_cpu.w8a8_linear``. The
 activations are rounded to int8 per block of 32 inside the kernel (as llama.cpp does for its Q4/Q8 dot
-products), which is the only numeric difference from ``QuantLinear.forward``; ``w8a8_reference`` is the
-same computation in torch, for the tests. The kernel was made for few rows (batch-1 and small-batch decode); without
-AMX it also beats oneDNN's bf16 GEMM on many, and with AMX ``runtime/kernels/qmatmul.py`` routes larger calls to a
-bf16 GEMM on the weight dequantized into a shared buffer (``ScratchLinear``, tile_dequant.cpp).
+products), which with the fp16 rounding of those two numbers (at most 2^-11 of each) is the only difference
+from ``QuantLinear.forward``; ``w8a8_reference`` is the same computation in torch, for the tests. The kernel was
+made for few rows (batch-1 and small-batch decode); without AMX it also beats oneDNN's bf16 GEMM on many, and
+with AMX ``runtime/kernels/qmatmul.py`` routes larger calls to a bf16 GEMM on the weight dequantized into a
+shared buffer (``ScratchLinear``, tile_dequant.cpp).
 
 NF4 codes stay 4 bits a weight: the kernel maps each through a 16-entry table (:func:`nf4_table`) to the
 8-bit code ``round(127 * NF4[q]) + 128`` with zero point 128 and scale ``absmax / 127``; the table's rounding
@@ -15,6 +17,8 @@ moves a weight by at most 1/254 of its group's absmax, a tenth of NF4's own fine
 from __future__ import annotations
 
 import functools
+import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +77,29 @@ def tile_rows(t: Tensor) -> Tensor:
     return F.pad(t.float(), (0, 0, 0, -n % 16)).reshape(-1, 16, g).transpose(1, 2).contiguous()
 
 
+def untile_rows(t: Tensor, n: int) -> Tensor:
+    """:func:`tile_rows` undone: [T, G, 16] -> fp32 [n, G]."""
+    return t.float().transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+
+class HalfScales(NamedTuple):
+    """A linear's tiled scale and scale * zero in fp16, both times ``2 ** e``; ``unscale`` = ``2 ** -e`` undoes it."""
+
+    scale: Tensor
+    szero: Tensor
+    unscale: float
+
+
+def half_scales(scale: Tensor, szero: Tensor) -> HalfScales:
+    """fp32 [T, G, 16] -> fp16, 2 bytes a group each instead of 4 (batch-1 decode reads every byte of them). A
+    power of two common to the linear puts its largest magnitude in [2^14, 2^15): fp16's normal range then spans 29
+    binades below it, so tiny groups (an NF4 scale is absmax / 127) keep fp16's 11 bits rather than going subnormal;
+    the kernels multiply their result by ``unscale``, which is exact."""
+    top = max(scale.abs().max().item(), szero.abs().max().item())
+    e = 15 - math.frexp(top)[1] if top > 0 else 0  # top = f * 2^x, f in [0.5, 1): top * 2^e in [2^14, 2^15)
+    return HalfScales((scale * 2.0 ** e).half(), (szero * 2.0 ** e).half(), 2.0 ** -e)
+
+
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (int8 codes as fp32 [M, K], scale per block of 32 [M, K/32]), as the kernel rounds them."""
     xb = x.float().reshape(x.shape[0], -1, BLOCK)
@@ -98,8 +125,9 @@ def kernel_scales(ql: QuantLinear) -> tuple[Tensor, Tensor, Tensor | None]:
     return scale, zero, None
 
 
-def w8a8_reference(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group: int) -> Tensor:
-    """The kernel's result in torch: x [M, K], codes/zero [N, K]/[N, G] in code units, scale [N, G]; fp32."""
+def w8a8_reference(x: Tensor, codes: Tensor, scale: Tensor, szero: Tensor, group: int) -> Tensor:
+    """The kernel's result in torch: x [M, K], codes [N, K], scale and scale * zero [N, G] (the kernel's own:
+    :meth:`W8A8Linear.scales`); fp32."""
     xq, sa = quantize_activations(x)
     m, k = x.shape
     n = codes.shape[0]
@@ -107,13 +135,14 @@ def w8a8_reference(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group:
     ws = scale.float().repeat_interleave(group // BLOCK, dim=1)  # [N, K/32]
     y = (prod * ws[None] * sa[:, None, :]).sum(-1)
     gsum = (xq.reshape(m, -1, BLOCK).sum(-1) * sa).reshape(m, -1, group // BLOCK).sum(-1)  # [M, G]
-    return y - gsum @ (scale.float() * zero.float()).T
+    return y - gsum @ szero.float().T
 
 
 def dequant_tiles(weight: Tensor, scale: Tensor, szero: Tensor, bits: int, group: int, n: int,
-                  lut: Tensor | None = None) -> Tensor:
-    """The fp32 weight ``[n, K]`` that tiles (:func:`pack_tiles`) and their ``scale``/``szero`` [T, G, 16] stand for:
-    ``code * scale - scale * zero``, the kernel's numbers (tile_dequant.cpp's torch reference)."""
+                  lut: Tensor | None = None, unscale: float = 1.0) -> Tensor:
+    """The fp32 weight ``[n, K]`` that tiles (:func:`pack_tiles`) and their ``scale``/``szero`` [T, G, 16] (fp16 times
+    ``1 / unscale``, :func:`half_scales`) stand for: ``code * scale - scale * zero``, the kernel's numbers
+    (tile_dequant.cpp's torch reference)."""
     t = weight.shape[0]
     k = weight.shape[1] * 8 // (16 * bits)
     if bits == 4:
@@ -124,7 +153,7 @@ def dequant_tiles(weight: Tensor, scale: Tensor, szero: Tensor, bits: int, group
     if lut is not None:
         c = lut[c.long()]
     codes = c.permute(0, 2, 1, 3, 4).reshape(t * 16, k).float()  # [T * 16, K]
-    s, sz = (v.transpose(1, 2).reshape(t * 16, -1).repeat_interleave(group, dim=1) for v in (scale, szero))
+    s, sz = ((untile_rows(v, t * 16) * unscale).repeat_interleave(group, dim=1) for v in (scale, szero))
     return (codes * s - sz)[:n]
 
 
@@ -153,13 +182,16 @@ class W8A8Linear(nn.Module):
         scale, zero, self.lut = kernel_scales(ql)
         # ``tiles``: pack_tiles of the codes, built by the caller (runtime/kernels/lm_head.py)
         self.register_buffer("weight", tile_codes(ql, perm, self.k_pad) if tiles is None else tiles)
-        self.register_buffer("scale", tile_rows(scale))
-        self.register_buffer("szero", tile_rows(scale * zero))
+        half = half_scales(tile_rows(scale), tile_rows(scale * zero))  # fp16 [T, G, 16] each
+        self.register_buffer("scale", half.scale)
+        self.register_buffer("szero", half.szero)
+        self.unscale = half.unscale
         self.bias = None if ql.bias is None else ql.bias.detach().float()
         self.direct = perm is None and not self.k_pad and self.bias is None  # the decode step's case
         # the op's arguments after x, as a plain attribute: buffer lookups through nn.Module cost ~1 us each,
         # a noticeable share of a ~15 us call
-        self._args = (self.weight, self.scale, self.szero, self.bits, self.group, self.out_features, self.lut)
+        self._args = (self.weight, self.scale, self.szero, self.unscale, self.bits, self.group, self.out_features,
+                      self.lut)
         self._op = torch.ops.compress_cpu.w8a8_linear.default
 
     def forward(self, x: Tensor) -> Tensor:
@@ -178,8 +210,12 @@ class W8A8Linear(nn.Module):
 
     def dequantize_into(self, out: Tensor) -> Tensor:
         """``out`` [N, K padded] (bf16 or fp32) <- this layer's weight, input columns in the kernel's order."""
-        torch.ops.compress_cpu.w8a8_dequant_(out, *self._args[:3], self.bits, self.group, self.lut)
+        torch.ops.compress_cpu.w8a8_dequant_(out, *self._args[:4], self.bits, self.group, self.lut)
         return out
+
+    def scales(self) -> tuple[Tensor, Tensor]:
+        """(scale, scale * zero) fp32 [N, G]: the numbers the kernels multiply by (fp16-rounded, unscaled)."""
+        return tuple(untile_rows(v, self.out_features) * self.unscale for v in (self.scale, self.szero))
 
 
 class Scratch:

@@ -1,4 +1,6 @@
 """The W8A8 VNNI kernel (runtime/kernels/cpu/qgemv.cpp) against its torch reference and QuantLinear."""
+import math
+
 import pytest
 import torch
 
@@ -31,6 +33,23 @@ def test_tile_rows():
     v = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)
     t = w8a8.tile_rows(v)
     assert t.shape == (2, 3, 16) and t[1, 2, 3] == v[19, 2] and (t[1, :, 4:] == 0).all()
+    assert torch.equal(w8a8.untile_rows(t, 20), v)
+
+
+@pytest.mark.parametrize("magnitude", [1e-2, 1e-7, 3e4])
+def test_half_scales_keep_fp16_precision_at_any_magnitude(magnitude):
+    g = torch.Generator().manual_seed(0)
+    scale = torch.rand(3, 4, 16, generator=g) * magnitude
+    scale[0, 0, :4] = 0  # all-zero groups stay zero
+    szero = scale * torch.randint(0, 16, scale.shape, generator=g)
+    h = w8a8.half_scales(scale, szero)
+    assert h.scale.dtype == h.szero.dtype == torch.float16 and h.scale.shape == scale.shape
+    assert math.frexp(h.unscale)[0] == 0.5  # a power of two: undoing it is exact
+    for half, want in ((h.scale, scale), (h.szero, szero)):
+        got = half.float() * h.unscale
+        assert ((got - want).abs() <= 2 ** -11 * want.abs()).all()  # fp16's rounding, never subnormal
+        assert (got == 0).eq(want == 0).all()
+    assert w8a8.half_scales(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16)).unscale == 1.0
 
 
 CASES = [
@@ -66,13 +85,13 @@ def test_kernel_matches_reference_and_quantlinear(out_f, in_f, scheme, act_order
     if kernel.perm is not None:
         xs = xs[:, kernel.perm]
     xs = torch.nn.functional.pad(xs, (0, kernel.k_pad))
-    codes, (scale, zero, lut) = ql.codes(), w8a8.kernel_scales(ql)
+    codes, (scale, szero), lut = ql.codes(), kernel.scales(), kernel.lut
     if lut is not None:
         codes = lut[codes.long()]
     if kernel.perm is not None:
         codes = codes[:, kernel.perm]
     codes = torch.nn.functional.pad(codes, (0, kernel.k_pad))
-    ref = w8a8.w8a8_reference(xs, codes, scale, zero, kernel.group)
+    ref = w8a8.w8a8_reference(xs, codes, scale, szero, kernel.group)
     if bias:
         ref = ref + ql.bias.float()
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
@@ -81,6 +100,29 @@ def test_kernel_matches_reference_and_quantlinear(out_f, in_f, scheme, act_order
     exact = ql(x.float())
     err = (out.float() - exact).norm() / exact.norm()
     assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1e-4, 1e3])  # 1e-4: NF4's scale / 127 would be subnormal in fp16
+@pytest.mark.parametrize("scheme", [Scheme(4, 64, sym=False), Scheme(8, -1, sym=True), Scheme(4, 64, format="nf4")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_is_dequantize_then_matmul_with_the_fp16_scales(scheme, magnitude, dtype):
+    ql = random_qlinear(40, 256, scheme, seed=5)
+    ql.scales.mul_(magnitude)
+    kernel = w8a8.W8A8Linear(ql)
+    assert kernel.scale.dtype == kernel.szero.dtype == torch.float16
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)).to(dtype)
+    xq, sa = w8a8.quantize_activations(x)  # the int8 activations the kernel makes, dequantized
+    xd = (xq.reshape(3, -1, w8a8.BLOCK) * sa[..., None]).reshape(3, 256)
+    w = w8a8.dequant_tiles(kernel.weight, kernel.scale, kernel.szero, kernel.bits, kernel.group, 40, kernel.lut,
+                           kernel.unscale)
+    ref = xd.double() @ w.double().T
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(kernel(x).double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    # and the weight the same codes make with fp32 scales, within fp16's rounding of scale and scale * zero
+    scale, zero, lut = w8a8.kernel_scales(ql)
+    codes = ql.codes() if lut is None else lut[ql.codes().long()]
+    w32 = (codes.float() - zero.repeat_interleave(kernel.group, 1)) * scale.repeat_interleave(kernel.group, 1)
+    assert (w - w32).norm() / w32.norm() < 2 ** -11
 
 
 def test_zero_activations_and_zero_scales():
@@ -127,11 +169,16 @@ DEQUANT_CASES = [(48, 128, Scheme(4, 32, sym=False), None), (40, 96, Scheme(8, -
 def test_dequant_kernel_is_the_reference_and_the_quantlinear_weight(out_f, in_f, scheme, _, dtype):
     ql = random_qlinear(out_f, in_f, scheme)
     kernel = w8a8.W8A8Linear(ql)
-    ref = w8a8.dequant_tiles(kernel.weight, kernel.scale, kernel.szero, scheme.bits, kernel.group, out_f, kernel.lut)
+    ref = w8a8.dequant_tiles(kernel.weight, kernel.scale, kernel.szero, scheme.bits, kernel.group, out_f, kernel.lut,
+                             kernel.unscale)
     out = kernel.dequantize_into(torch.full((out_f, in_f), float("nan"), dtype=dtype))  # every element written
     assert torch.equal(out, ref.to(dtype))  # one rounding of code * scale - scale * zero
-    tol = 1e-6 if scheme.format == "int" else 2.5e-3  # nf4: the kernel's 8-bit table (see nf4_table)
-    torch.testing.assert_close(ref, ql.dequantized_weight(torch.float32), rtol=tol, atol=tol)
+    # fp16 scale and scale * zero: each off by at most 2^-11 of itself, so a weight by 2^-11 (|code| + |zero|) scale
+    tol = 2 ** -11 * 2 * (2 ** scheme.bits if scheme.format == "int" else 255)
+    tol = tol if scheme.format == "int" else tol + 2.5e-3  # nf4: the kernel's 8-bit table (see nf4_table)
+    exact = ql.dequantized_weight(torch.float32)
+    step = ql.scales.float().repeat_interleave(kernel.group, dim=1)[:, :in_f]
+    assert ((ref - exact).abs() <= tol * step).all()
 
 
 @pytest.mark.parametrize("bits,scheme", [(4, Scheme(4, 32, sym=False)), (8, Scheme(8, -1, sym=True))])
@@ -156,8 +203,9 @@ def test_scratch_linear_runs_the_dense_product_from_one_shared_buffer():
     for ql in qls:
         lin = w8a8.ScratchLinear(w8a8.W8A8Linear(ql), scratch)
         x = torch.randn(40, ql.in_features, generator=torch.Generator().manual_seed(3))
-        want = torch.nn.functional.linear(x.bfloat16(), ql.dequantized_weight(torch.float32).bfloat16(),
-                                          None if ql.bias is None else ql.bias.bfloat16())
+        k = lin.kernel
+        w = w8a8.dequant_tiles(k.weight, k.scale, k.szero, k.bits, k.group, k.out_features, k.lut, k.unscale)
+        want = torch.nn.functional.linear(x.bfloat16(), w.bfloat16(), None if ql.bias is None else ql.bias.bfloat16())
         assert torch.equal(lin(x.bfloat16()), want)  # the same bf16 weights, the same GEMM
     assert scratch.buf.numel() == 64 * 128  # the largest linear's weight, held once
 

@@ -6,6 +6,10 @@
 #include <cmath>
 #include <cstdint>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace compress_cpu {
 
 // fp32 and bf16 only (the runtime's compute dtypes on CPU; select_ops sends anything else to torch)
@@ -66,5 +70,21 @@ inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
+
+// a W8A8 tile weight's scale and szero (runtime/kernels/w8a8.py's half_scales): contiguous CPU fp16 [tiles, groups,
+// 16] each; their bits, as the kernels read them
+inline const uint16_t* half_scales(const at::Tensor& t, int64_t tiles, int64_t groups, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.numel() == tiles * groups * 16, name, ": fp16 [", tiles, ", ",
+              groups, ", 16]");
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
+}
+
+#ifdef __AVX512F__
+// 16 fp16 values (their bits) -> fp32 (vcvtph2ps)
+inline __m512 half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
 
 }  // namespace compress_cpu

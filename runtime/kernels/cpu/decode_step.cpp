@@ -119,8 +119,8 @@ class DecodeStep : public torch::CustomClassHolder {
   }
 
   // the last added layer's next linear, in the order qkv, o, gate_up, down (qgemv.cpp's w8a8_linear arguments)
-  void add_linear(at::Tensor w, at::Tensor scale, at::Tensor szero, int64_t bits, int64_t group, int64_t n_out,
-                  std::optional<at::Tensor> lut, std::optional<at::Tensor> bias) {
+  void add_linear(at::Tensor w, at::Tensor scale, at::Tensor szero, double unscale, int64_t bits, int64_t group,
+                  int64_t n_out, std::optional<at::Tensor> lut, std::optional<at::Tensor> bias) {
     TORCH_CHECK(!layers_.empty() && layers_.back().lin.size() < 4, "add_layer first; four linears a layer");
     const int64_t which = static_cast<int64_t>(layers_.back().lin.size());
     const int64_t k = which == DOWN ? inter_ : which == O ? hq_ * d_ : hidden_;
@@ -128,13 +128,13 @@ class DecodeStep : public torch::CustomClassHolder {
     TORCH_CHECK(n_out == want && w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) * 8 == k * 16 * bits &&
                 k % group == 0 && group % QB == 0 && (bits == 4 || bits == 8), "linear ", which, ": a [", want, ", ",
                 k, "] weight in qgemv.cpp's tiles");
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0) * (k / group) * 16 &&
-                szero.sizes() == scale.sizes(), "scale/szero: fp32 [tiles, groups, 16]");
+    const uint16_t* scale_p = half_scales(scale, w.size(0), k / group, "scale");
+    const uint16_t* szero_p = half_scales(szero, w.size(0), k / group, "szero");
     Linear l{w, scale, szero, lut.value_or(at::Tensor()), bias.value_or(at::Tensor()), {}, {}};
     TORCH_CHECK(!l.lut.defined() || (l.lut.scalar_type() == at::kByte && l.lut.numel() == 16 && bits == 4), "lut");
     TORCH_CHECK(!l.bias.defined() || (l.bias.numel() == n_out && l.bias.scalar_type() == final_norm_.scalar_type()),
                 "bias: [n_out] in the compute dtype");
-    l.q = {w.data_ptr<uint8_t>(), scale.data_ptr<float>(), szero.data_ptr<float>(),
+    l.q = {w.data_ptr<uint8_t>(), scale_p, szero_p, static_cast<float>(unscale),
            l.lut.defined() ? l.lut.data_ptr<uint8_t>() : nullptr, bits, group, k, n_out, w.size(0)};
     for (int64_t b = 0; b < k / QB; ++b) l.gidx.push_back(static_cast<int32_t>(b * QB / group));
     layers_.back().lin.push_back(std::move(l));

@@ -13,6 +13,8 @@
 // runtime/kernels/w8a8.py packs the weights (pack_tiles) and holds the torch reference (w8a8_reference).
 // A table (LUT) maps 4-bit codes to 8-bit ones in the register (vpshufb) before the dot products: NF4 codes
 // become round(127 * NF4[q]) + 128 with zero point 128 and scale / 127, so nf4 reads 4 bits a weight like int4.
+// The group's scale and scale * zero are fp16 (w8a8.py's half_scales): 4.5 bits a 4-bit weight in groups of 64,
+// not 5, where batch-1 decode is bound by the bytes it reads.
 #include "qgemv.h"
 
 #include <ATen/ATen.h>
@@ -27,16 +29,15 @@ namespace {
 using namespace compress_cpu;
 
 // y [M, N] = x [M, K] @ dequant(w)^T, y in x's dtype. w: the codes of N rows padded to tiles of 16, as uint8
-// [tiles, K * 16 * bits / 8] in qmatmul.py's pack_tiles layout; scale and szero = scale * zero: fp32
-// [tiles, G, 16] (G = K / group). K a multiple of 32, the group a multiple of 32 dividing K. lut: uint8 [16],
-// 4-bit codes only: each code q stands for lut[q] (zero and scale in lut units).
+// [tiles, K * 16 * bits / 8] in qmatmul.py's pack_tiles layout; scale and szero = scale * zero: fp16
+// [tiles, G, 16] (G = K / group), both times 1 / unscale. K a multiple of 32, the group a multiple of 32 dividing
+// K. lut: uint8 [16], 4-bit codes only: each code q stands for lut[q] (zero and scale in lut units).
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& szero,
-                       int64_t bits, int64_t group, int64_t n_out, const std::optional<at::Tensor>& lut) {
+                       double unscale, int64_t bits, int64_t group, int64_t n_out,
+                       const std::optional<at::Tensor>& lut) {
   TORCH_CHECK(has_vnni(), "w8a8_linear needs AVX512-VNNI, which this build of the kernels lacks");
   check_cpu(x, "x");
   check_cpu(w, "w");
-  check_cpu(scale, "scale");
-  check_cpu(szero, "szero");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   const bool has_lut = lut.has_value() && lut->defined();
   TORCH_CHECK(!has_lut || (bits == 4 && lut->scalar_type() == at::kByte && lut->numel() == 16 && lut->is_contiguous()),
@@ -50,9 +51,8 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               k * 2 * bits);
   TORCH_CHECK(n_out > (tiles - 1) * 16 && n_out <= tiles * 16, "n_out ", n_out, " does not fit ", tiles, " tiles");
   const int64_t ng = k / group;
-  for (const at::Tensor* t : {&scale, &szero})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == tiles * ng * 16, "scale/szero: fp32 [", tiles, ", ",
-                ng, ", 16]");
+  const uint16_t* scale_p = half_scales(scale, tiles, ng, "scale");
+  const uint16_t* szero_p = half_scales(szero, tiles, ng, "szero");
   auto out = at::empty({m, n_out}, x.options());
 #ifdef COMPRESS_VNNI
   const int64_t nb = k / QB;
@@ -60,7 +60,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   std::vector<float> sa(m * nb), gsum(m * ng);
   std::vector<int32_t> gidx(nb);  // weight group of each 32-block
   for (int64_t b = 0; b < nb; ++b) gidx[b] = static_cast<int32_t>(b * QB / group);
-  const QWeight qw{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), szero.data_ptr<float>(), lut_p, bits, group, k,
+  const QWeight qw{w.data_ptr<uint8_t>(), scale_p, szero_p, static_cast<float>(unscale), lut_p, bits, group, k,
                    n_out, tiles};
   DISPATCH_F32_BF16(x.scalar_type(), "w8a8_linear", [&] {
     quantize_rows<scalar_t>(x.data_ptr<scalar_t>(), m, k, group, xq.data(), sa.data(), gsum.data());
@@ -77,6 +77,6 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(compress_cpu, m) {
   m.def("has_vnni() -> bool", &has_vnni);
-  m.def("w8a8_linear(Tensor x, Tensor w, Tensor scale, Tensor szero, int bits, int group, int n_out, "
+  m.def("w8a8_linear(Tensor x, Tensor w, Tensor scale, Tensor szero, float unscale, int bits, int group, int n_out, "
         "Tensor? lut=None) -> Tensor", &w8a8_linear);
 }

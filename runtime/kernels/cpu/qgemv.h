@@ -44,11 +44,12 @@ inline void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, int8_
 #ifdef COMPRESS_VNNI
 // Output rows in tiles of 16, one per int32 lane: a weight vector holds 4 consecutive codes of each of 16 rows,
 // and a broadcast of 4 activation codes meets it in one vpdpbusd, so a 32-block of 16 rows is 8 vpdpbusd into
-// one int32 vector, converted and scaled once; no horizontal sums. Tiles in parallel.
+// one int32 vector, converted and scaled once; no horizontal sums. Tiles in parallel. The group scales are fp16
+// (vcvtph2ps, AVX512F), times 1 / unscale (w8a8.py's half_scales): the result is multiplied by unscale at the end.
 template <int BITS, int M, bool LUT, typename T>
-void gemv_tiles(const uint8_t* w, const float* scale, const float* szero, const int8_t* xq, const float* sa,
-                const float* gsum, const int32_t* gidx, const uint8_t* lut, T* out, int64_t k, int64_t n_out,
-                int64_t group, int64_t t0, int64_t t1) {
+void gemv_tiles(const uint8_t* w, const uint16_t* scale, const uint16_t* szero, float unscale, const int8_t* xq,
+                const float* sa, const float* gsum, const int32_t* gidx, const uint8_t* lut, T* out, int64_t k,
+                int64_t n_out, int64_t group, int64_t t0, int64_t t1) {
   const int64_t nb = k / QB, ng = k / group, block_bytes = 16 * QB * BITS / 8;
   const __m512i mask = _mm512_set1_epi8(0x0F);
   // the 16-entry table in each 128-bit lane, as vpshufb indexes it per lane
@@ -56,8 +57,8 @@ void gemv_tiles(const uint8_t* w, const float* scale, const float* szero, const 
                             : _mm512_setzero_si512();
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = w + t * nb * block_bytes;
-    const float* ts = scale + t * ng * 16;
-    const float* tz = szero + t * ng * 16;
+    const uint16_t* ts = scale + t * ng * 16;
+    const uint16_t* tz = szero + t * ng * 16;
     __m512 acc[M];
 #pragma GCC unroll 8
     for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
@@ -91,7 +92,7 @@ void gemv_tiles(const uint8_t* w, const float* scale, const float* szero, const 
           }
         }
       }
-      const __m512 sv = _mm512_loadu_ps(ts + gidx[b] * 16);
+      const __m512 sv = half16(ts + gidx[b] * 16);
 #pragma GCC unroll 8
       for (int r = 0; r < M; ++r) {
         const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[r], hi_acc[r]));
@@ -99,14 +100,14 @@ void gemv_tiles(const uint8_t* w, const float* scale, const float* szero, const 
       }
     }
     for (int64_t g = 0; g < ng; ++g) {
-      const __m512 zv = _mm512_loadu_ps(tz + g * 16);
+      const __m512 zv = half16(tz + g * 16);
 #pragma GCC unroll 8
       for (int r = 0; r < M; ++r) acc[r] = _mm512_fnmadd_ps(zv, _mm512_set1_ps(gsum[r * ng + g]), acc[r]);
     }
     const int64_t rows = std::min<int64_t>(16, n_out - t * 16);
     alignas(64) float y[16];
     for (int r = 0; r < M; ++r) {
-      _mm512_store_ps(y, acc[r]);
+      _mm512_store_ps(y, _mm512_mul_ps(acc[r], _mm512_set1_ps(unscale)));
       for (int64_t i = 0; i < rows; ++i) st(out, r * n_out + t * 16 + i, y[i]);
     }
   }
@@ -124,9 +125,10 @@ inline bool has_vnni() {
 // A packed weight as the kernel reads it (qmatmul.py's pack_tiles layout; see w8a8_linear in qgemv.cpp)
 struct QWeight {
   const uint8_t* w;
-  const float* scale;   // [tiles, K / group, 16]
-  const float* szero;   // scale * zero, same layout
-  const uint8_t* lut;   // 4-bit codes' 16-entry table, or nullptr
+  const uint16_t* scale;  // fp16 bits [tiles, K / group, 16], times 1 / unscale
+  const uint16_t* szero;  // scale * zero, same layout and factor
+  float unscale;          // a power of two (w8a8.py's half_scales)
+  const uint8_t* lut;     // 4-bit codes' 16-entry table, or nullptr
   int64_t bits, group, k, n_out, tiles;
 };
 
@@ -141,8 +143,8 @@ void gemv_range(const QWeight& q, const int8_t* xq, const float* sa, const float
     const int64_t mr = std::min(MAXM, m - r0);
     auto run = [&](auto bits_c, auto lut_c, auto m_c) {
       gemv_tiles<decltype(bits_c)::value, decltype(m_c)::value, decltype(lut_c)::value, T>(
-          q.w, q.scale, q.szero, xq + r0 * q.k, sa + r0 * nb, gsum + r0 * ng, gidx, q.lut, out + r0 * q.n_out, q.k,
-          q.n_out, q.group, t0, t1);
+          q.w, q.scale, q.szero, q.unscale, xq + r0 * q.k, sa + r0 * nb, gsum + r0 * ng, gidx, q.lut,
+          out + r0 * q.n_out, q.k, q.n_out, q.group, t0, t1);
     };
     auto with_m = [&](auto bits_c, auto lut_c) {
       switch (mr) {

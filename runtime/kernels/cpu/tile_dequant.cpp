@@ -3,8 +3,9 @@
 //
 // runtime/kernels/qmatmul.py dequantizes each linear into one scratch buffer shared by all of them just before its
 // GEMM, so no persistent dense copy of the model is kept. One pass over the codes: 16 output rows per tile, each
-// weight w = code * scale - scale * zero (szero), rounded to the output dtype. The torch reference is
-// runtime/kernels/w8a8.py's dequant_tiles.
+// weight w = code * scale - scale * zero (szero), rounded to the output dtype; scale and szero are fp16 times
+// 1 / unscale (w8a8.py's half_scales), each made fp32 and multiplied by unscale (exact: a power of two) first. The
+// torch reference is runtime/kernels/w8a8.py's dequant_tiles.
 #include "common.h"
 
 #include <ATen/ATen.h>
@@ -26,13 +27,14 @@ using namespace compress_cpu;
 // one tile's 16 rows (those below n_out) into out rows [16 t, 16 t + 16): tile bytes [K/8 chunks of 8 columns]
 // x [64 bytes: 4-bit, row r's byte 4r+i = q[8p+i] | q[8p+4+i] << 4] or [2 x 64 bytes: 8-bit, q[8p+4h+i]]
 template <int BITS, typename T>
-void dequant_tile(const uint8_t* tile, const float* scale, const float* szero, const uint8_t* lut, T* out,
-                  int64_t k, int64_t group, int64_t rows) {
+void dequant_tile(const uint8_t* tile, const uint16_t* scale, const uint16_t* szero, float unscale,
+                  const uint8_t* lut, T* out, int64_t k, int64_t group, int64_t rows) {
   const int64_t ng = k / group;
+  auto half = [](uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); };
   for (int64_t r = 0; r < rows; ++r) {
     T* o = out + r * k;
     for (int64_t g = 0; g < ng; ++g) {
-      const float s = scale[g * 16 + r], sz = szero[g * 16 + r];
+      const float s = half(scale[g * 16 + r]) * unscale, sz = half(szero[g * 16 + r]) * unscale;
       for (int64_t p = g * group / 8; p < (g + 1) * group / 8; ++p) {
         float v[8];
         if constexpr (BITS == 4) {
@@ -67,8 +69,8 @@ inline __m256i to_bf16(__m512 v) {
 // a full tile (16 rows) into bf16: per chunk of 8 columns, one 64-byte load holds all 16 rows (row r in dword r);
 // unpacking the low and high codes by dword puts each row's 8 codes together, two rows per 128-bit lane
 template <int BITS>
-void dequant_tile_bf16(const uint8_t* tile, const float* scale, const float* szero, const uint8_t* lut,
-                       uint16_t* out, int64_t k, int64_t group) {
+void dequant_tile_bf16(const uint8_t* tile, const uint16_t* scale, const uint16_t* szero, float unscale,
+                       const uint8_t* lut, uint16_t* out, int64_t k, int64_t group) {
   const __m512i nib = _mm512_set1_epi8(0x0F);
   const __m512i table = lut ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut)))
                             : _mm512_setzero_si512();
@@ -79,7 +81,8 @@ void dequant_tile_bf16(const uint8_t* tile, const float* scale, const float* sze
                                r0 + 1, r0 + 1);
   }
   for (int64_t g = 0; g < k / group; ++g) {
-    const __m512 s16 = _mm512_loadu_ps(scale + g * 16), z16 = _mm512_loadu_ps(szero + g * 16);
+    const __m512 u = _mm512_set1_ps(unscale);
+    const __m512 s16 = _mm512_mul_ps(half16(scale + g * 16), u), z16 = _mm512_mul_ps(half16(szero + g * 16), u);
     __m512 s[8], z[8];
     for (int j = 0; j < 8; ++j) {
       s[j] = _mm512_permutexvar_ps(idx[j], s16);
@@ -121,11 +124,9 @@ void dequant_tile_bf16(const uint8_t* tile, const float* scale, const float* sze
 
 // out [n_out, K] (bf16 or fp32, contiguous, rows past n_out of the last tile dropped) <- the tiles' weights
 void w8a8_dequant_(at::Tensor out, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& szero,
-                   int64_t bits, int64_t group, const std::optional<at::Tensor>& lut) {
+                   double unscale, int64_t bits, int64_t group, const std::optional<at::Tensor>& lut) {
   check_cpu(out, "out");
   check_cpu(w, "w");
-  check_cpu(scale, "scale");
-  check_cpu(szero, "szero");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(out.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kByte, "out [N, K] and uint8 w [tiles, bytes]");
   const int64_t n_out = out.size(0), k = out.size(1), tiles = w.size(0);
@@ -134,9 +135,9 @@ void w8a8_dequant_(at::Tensor out, const at::Tensor& w, const at::Tensor& scale,
   TORCH_CHECK(w.size(1) * 8 == k * 16 * bits, "w has ", w.size(1), " bytes per tile; K = ", k, " needs ", k * 2 * bits);
   TORCH_CHECK(n_out > (tiles - 1) * 16 && n_out <= tiles * 16, "N ", n_out, " does not fit ", tiles, " tiles");
   const int64_t ng = k / group;
-  for (const at::Tensor* t : {&scale, &szero})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == tiles * ng * 16, "scale/szero: fp32 [", tiles, ", ",
-                ng, ", 16]");
+  const uint16_t* scale_p = half_scales(scale, tiles, ng, "scale");
+  const uint16_t* szero_p = half_scales(szero, tiles, ng, "szero");
+  const float u = static_cast<float>(unscale);
   const bool has_lut = lut.has_value() && lut->defined();
   TORCH_CHECK(!has_lut || (bits == 4 && lut->scalar_type() == at::kByte && lut->numel() == 16 && lut->is_contiguous()),
               "lut: a contiguous uint8 [16] table, for 4-bit codes");
@@ -147,25 +148,25 @@ void w8a8_dequant_(at::Tensor out, const at::Tensor& w, const at::Tensor& scale,
     at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const uint8_t* tile = w.data_ptr<uint8_t>() + t * tile_bytes;
-        const float* sp = scale.data_ptr<float>() + t * ng * 16;
-        const float* zp = szero.data_ptr<float>() + t * ng * 16;
+        const uint16_t* sp = scale_p + t * ng * 16;
+        const uint16_t* zp = szero_p + t * ng * 16;
         const int64_t rows = std::min<int64_t>(16, n_out - t * 16);
 #ifdef COMPRESS_AVX512
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           if (rows == 16) {
             auto* o = reinterpret_cast<uint16_t*>(op + t * 16 * k);
             if (bits == 4)
-              dequant_tile_bf16<4>(tile, sp, zp, lut_p, o, k, group);
+              dequant_tile_bf16<4>(tile, sp, zp, u, lut_p, o, k, group);
             else
-              dequant_tile_bf16<8>(tile, sp, zp, lut_p, o, k, group);
+              dequant_tile_bf16<8>(tile, sp, zp, u, lut_p, o, k, group);
             continue;
           }
         }
 #endif
         if (bits == 4)
-          dequant_tile<4>(tile, sp, zp, lut_p, op + t * 16 * k, k, group, rows);
+          dequant_tile<4>(tile, sp, zp, u, lut_p, op + t * 16 * k, k, group, rows);
         else
-          dequant_tile<8>(tile, sp, zp, lut_p, op + t * 16 * k, k, group, rows);
+          dequant_tile<8>(tile, sp, zp, u, lut_p, op + t * 16 * k, k, group, rows);
       }
     });
   });
@@ -174,6 +175,6 @@ void w8a8_dequant_(at::Tensor out, const at::Tensor& w, const at::Tensor& scale,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(compress_cpu, m) {
-  m.def("w8a8_dequant_(Tensor(a!) out, Tensor w, Tensor scale, Tensor szero, int bits, int group, Tensor? lut=None) "
-        "-> ()", &w8a8_dequant_);
+  m.def("w8a8_dequant_(Tensor(a!) out, Tensor w, Tensor scale, Tensor szero, float unscale, int bits, int group, "
+        "Tensor? lut=None) -> ()", &w8a8_dequant_);
 }
