@@ -335,7 +335,7 @@ def test_smollm2_three_kv_heads_to_one():
     with torch.no_grad():
         ref = model(ids).logits
     rep = gqa.convert(model, 1)
-    assert (rep.kv_bytes_per_token_before, rep.kv_bytes_per_token_after) == (23040, 7680)  # 2 x 30 x {3,1} x 64 x 2
+    assert (rep.kv.kv_bytes_per_token_before, rep.kv.kv_bytes_per_token_after) == (23040, 7680)  # 2 x 30 x {3,1} x 64 x 2
     with torch.no_grad():
         out = model(ids).logits
     assert torch.isfinite(out).all()
