@@ -153,11 +153,24 @@ def _carried_batches(run: Run, cfg: QuantizeConfig) -> list[Tensor]:
     return fit[:keep] + run.held_batches
 
 
-def _held_hessians(block: nn.Module, linears: dict[str, nn.Linear], held: BlockInputs, cfg: QuantizeConfig
-                   ) -> dict[str, Tensor]:
-    """Each linear's Hessian on the held-out windows, which only judge (products in the search's dtype)."""
+def _held_out(block: nn.Module, linears: dict[str, nn.Linear], held: BlockInputs, cfg: QuantizeConfig
+              ) -> dict[str, fallback.Gram | fallback.Rows]:
+    """What each linear is judged by on the held-out windows (one forward of the fp block): the token rows of a wide
+    input feeding a narrow output (down_proj: ``fallback.rows_cheaper``), else its Hessian (products in the search's
+    dtype)."""
+    n = held.tokens
+    rows = {name for name, m in linears.items() if fallback.rows_cheaper(n, m.in_features, m.out_features)}
+    kept: dict[str, list[Tensor]] = {name: [] for name in rows}
+    handles = [linears[name].register_forward_pre_hook(
+        lambda _, args, name=name: kept[name].append(args[0].detach().reshape(-1, args[0].shape[-1]))) for name in rows]
     product = autocast_of(cfg.awq.search_dtype) or torch.float32
-    return {n: h.H for n, h in gptq_solver.observe(block, linears, held, product=product).items()}
+    try:
+        grams = gptq_solver.observe(block, {k: m for k, m in linears.items() if k not in rows}, held, product=product)
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: fallback.Rows(torch.cat(kept[name])) if name in rows else fallback.Gram(grams[name].H)
+            for name in linears}
 
 
 def _observe(block: nn.Module, linears: dict[str, nn.Linear], bmap: BlockMap, inputs: BlockInputs, n_tokens: int,
@@ -211,11 +224,11 @@ def _scale_prev(prev: nn.Module, s: Tensor, norm_offset: float) -> None:
 
 @dataclass
 class _Judge:
-    """The held-out side of one block's AWQ (compress/methods/common/fallback.py): each linear's Hessian of the held-out windows
-    (observed on the fp block), the weights already rounded while judging a group (reused at the end unless a later
+    """The held-out side of one block's AWQ (compress/methods/common/fallback.py): what each linear is judged by on the
+    held-out windows (observed on the fp block), the weights already rounded while judging a group (reused at the end unless a later
     group rescales that linear's rows), the linears judged with a group, and those that fell back to plain RTN."""
 
-    held: dict[str, Tensor]
+    held: dict[str, fallback.Gram | fallback.Rows]
     prefix: str
     rounded: dict[str, Rounded] = field(default_factory=dict)
     grouped: set[str] = field(default_factory=set)
@@ -379,7 +392,7 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
         fit, held = inputs.split(run.holdout)
-        judge = None if held is None else _Judge(_held_hessians(block, linears, held, cfg), f"{prefix}.{i}.")
+        judge = None if held is None else _Judge(_held_out(block, linears, held, cfg), f"{prefix}.{i}.")
         hessians = _shared_hessians(linears, bmap, tw is not None) if cfg.awq.rounding == "gptq" else None
         observed = fit if hessians is not None else _first_tokens(fit, cfg.awq.observe_tokens)
         sampler = _observe(block, linears, bmap, observed, cfg.awq.search_tokens, cfg.seed + i, hessians,

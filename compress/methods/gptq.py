@@ -60,7 +60,8 @@ def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], h
         record, weight = LayerRecord(i, name, res.loss), res.weight
         if held is not None:
             plain = quant.quantize_weight(lin.weight.data, cfg.scheme)
-            choice = fallback.compare(lin.weight.data, res.weight.dequantize(), plain.dequantize(), held[name].H)
+            choice = fallback.compare(lin.weight.data, res.weight.dequantize(), plain.dequantize(),
+                                      fallback.Gram(held[name].H))
             judged = choice.judgement()
             record = LayerRecord(i, name, res.loss, judged, names=[f"{prefix}{name}"])
             log.info("%s%s: held-out error gptq %.4g, rtn %.4g -> %s", prefix, name, judged.heldout_error,

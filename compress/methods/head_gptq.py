@@ -61,7 +61,7 @@ def quantize_head(w: Tensor, hessians: HeadHessians, scheme: Scheme, opts: GPTQO
     if hessians.held is None:
         return HeadResult(res.weight, res.loss)
     plain = quantize_weight(w.float(), scheme)
-    choice = fallback.compare(w, res.weight.dequantize(), plain.dequantize(), hessians.held)
+    choice = fallback.compare(w, res.weight.dequantize(), plain.dequantize(), fallback.Gram(hessians.held))
     return HeadResult(plain if choice.rtn else res.weight, res.loss, choice)
 
 

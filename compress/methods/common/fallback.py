@@ -38,6 +38,38 @@ def output_error(delta: Tensor, H: Tensor) -> float:
     return (d @ H.float() * d).sum().item()
 
 
+class Gram(NamedTuple):
+    """A layer's held-out inputs as their second moment ``H`` (a GPTQ Hessian: the mean of ``2 x^T x``)."""
+
+    H: Tensor
+
+    def errors(self, deltas: list[Tensor]) -> list[float]:
+        return [output_error(d, self.H) for d in deltas]
+
+
+class Rows(NamedTuple):
+    """A layer's held-out inputs as the token rows themselves ``x: [n, in]`` (any float dtype), on the same scale as
+    :class:`Gram` (``2 / n |x delta^T|^2``): fewer products than forming ``x^T x`` where the input is wide and the
+    output narrow (down_proj: :func:`rows_cheaper`)."""
+
+    x: Tensor
+    chunk: int = 2048
+
+    def errors(self, deltas: list[Tensor]) -> list[float]:
+        d = torch.cat([t.float() for t in deltas])  # [k * out, in]: one product for every candidate
+        sums = torch.zeros(d.shape[0], dtype=torch.float64)
+        for rows in self.x.split(self.chunk):
+            sums += (rows.float() @ d.T).pow(2).sum(0, dtype=torch.float64)
+        per = sums.split([t.shape[0] for t in deltas])
+        return [(2 / self.x.shape[0] * s.sum()).item() for s in per]
+
+
+def rows_cheaper(n: int, width: int, out: int, candidates: int = 3) -> bool:
+    """Whether judging ``candidates`` weights ``[out, width]`` on ``n`` token rows directly (``k n width out``
+    products) costs fewer than forming and reading their Gram matrix (``n width^2 + k out width^2``)."""
+    return candidates * n * width * out < n * width * width + candidates * out * width * width
+
+
 @dataclass
 class Choice:
     """One layer's (or one smoothing group's) held-out output errors: the calibrated result's and RTN's; ``energy``
@@ -58,11 +90,11 @@ class Choice:
                          "rtn" if self.rtn else "kept")
 
 
-def compare(w: Tensor, calibrated: Tensor, rtn: Tensor, H: Tensor) -> Choice:
-    """The held-out errors of two effective (dequantized, unscaled) weights of the fp weight ``w: [out, in]``."""
+def compare(w: Tensor, calibrated: Tensor, rtn: Tensor, held: Gram | Rows) -> Choice:
+    """The held-out errors of two effective (dequantized, unscaled) weights of the fp weight ``w: [out, in]``, and
+    the fp output's own energy."""
     w = w.float()
-    zero = torch.zeros_like(w)
-    return Choice(output_error(w - calibrated.float(), H), output_error(w - rtn.float(), H), output_error(w - zero, H))
+    return Choice(*held.errors([w - calibrated.float(), w - rtn.float(), w]))
 
 
 def combine(choices: list[Choice]) -> Choice:

@@ -52,7 +52,25 @@ def test_output_error_is_the_squared_output_error():
 def _hessian(x):
     h = gptq_solver.Hessian.zeros(x.shape[1])
     h.add(x)
-    return h.H
+    return fallback.Gram(h.H)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_judge_as_the_gram_matrix_does(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 40, generator=gen).to(dtype)
+    deltas = [torch.randn(6, 40, generator=gen), torch.randn(6, 40, generator=gen) * 0.1, torch.zeros(6, 40)]
+    by_rows = fallback.Rows(x, chunk=64).errors(deltas)  # chunks that do not divide the rows
+    assert by_rows == pytest.approx(_hessian(x.float()).errors(deltas), rel=1e-5, abs=1e-12)
+    assert by_rows[2] == 0.0
+
+
+def test_rows_are_chosen_for_a_wide_input_feeding_a_narrow_output():
+    assert fallback.rows_cheaper(8192, 4864, 896)  # the 0.5b shape's down_proj: 3.5x fewer products
+    assert not fallback.rows_cheaper(8192, 896, 896)  # o_proj
+    assert not fallback.rows_cheaper(8192, 896, 4864)  # gate/up
+    assert fallback.rows_cheaper(8192, 1536, 576)  # SmolLM2's down_proj, barely
+    assert not fallback.rows_cheaper(100_000, 1536, 576)  # not over many rows: the Gram matrix is formed once
 
 
 def _inputs(n, basis, gen):
@@ -65,7 +83,7 @@ def test_gptq_fit_on_one_subspace_falls_back_off_it():
     w = torch.randn(48, 64, generator=gen)
     basis = torch.linalg.qr(torch.randn(64, 64, generator=gen))[0].T  # orthonormal rows
     fit, held = _inputs(512, basis[:32], gen), _inputs(128, basis[32:], gen)
-    q = gptq_solver.quantize_weight(w, _hessian(fit), SCHEME).weight.dequantize()
+    q = gptq_solver.quantize_weight(w, _hessian(fit).H, SCHEME).weight.dequantize()
     plain = quant.quantize_weight(w, SCHEME).dequantize()
     assert fallback.compare(w, q, plain, _hessian(held)).rtn  # off the fit subspace GPTQ is worse
     assert not fallback.compare(w, q, plain, _hessian(_inputs(128, basis[:32], gen))).rtn  # on it, better
@@ -76,7 +94,7 @@ def test_gptq_keeps_its_result_where_it_generalizes():
     w = torch.randn(48, 64, generator=gen)
     mix = torch.randn(64, 64, generator=gen) * torch.linspace(0.05, 2, 64)  # correlated, uneven channels
     fit, held = torch.randn(1024, 64, generator=gen) @ mix, torch.randn(256, 64, generator=gen) @ mix
-    q = gptq_solver.quantize_weight(w, _hessian(fit), SCHEME).weight.dequantize()
+    q = gptq_solver.quantize_weight(w, _hessian(fit).H, SCHEME).weight.dequantize()
     choice = fallback.compare(w, q, quant.quantize_weight(w, SCHEME).dequantize(), _hessian(held))
     assert not choice.rtn and choice.error < 0.9 * choice.rtn_error
 
