@@ -132,15 +132,21 @@ def mse_params(w: Tensor, scheme: Scheme, col_weight: Tensor | None = None, grid
         raise ValueError(f"mse_params needs format 'int', got {scheme.format!r}")
     w = w.float()
     c = torch.ones(w.shape[1]) if col_weight is None else col_weight.float().clamp(min=0)
-    row = replace(scheme, group_size=-1)  # each row of w is one group
-    best_s, best_z = find_params(w, scheme)
+    # find_params reads only each row's min and max, and shrinking w by p > 0 shrinks them by p exactly (rounding is
+    # monotonic): the qparams of every candidate from the two ends, not from a scaled copy of w
+    ends = torch.stack([w.amin(1), w.amax(1)], 1)
+    best_s, best_z = find_params(ends, scheme)
     best_err = None
     for k in range(int(grid * max_shrink) + 1):
-        p = 1 - k / grid
-        s, z = find_params(w * p, scheme)  # shrinking w by p shrinks its range by p (0 stays inside)
-        s1, z1 = s[:, None], None if z is None else z[:, None]
-        err = (dequantize(quantize(w, s1, z1, row), s1, z1, row) - w).abs_().pow_(norm)
-        err = (err * c).sum(1)  # c: [k] or [rows, k]
+        s, z = find_params(ends * (1 - k / grid), scheme)
+        s1 = s.float()[:, None]
+        err = w.div(s1).round_()  # quantize then dequantize (format.quant's quantize, dequantize), in place
+        if z is not None:
+            z1 = z.float()[:, None]
+            err.add_(z1).clamp_(0, scheme.maxq).sub_(z1)
+        else:
+            err.add_(scheme.sym_zero).clamp_(0, scheme.maxq).sub_(scheme.sym_zero)
+        err = err.mul_(s1).sub_(w).abs_().pow_(norm).mul_(c).sum(1)  # c: [k] or [rows, k]
         if best_err is None:
             best_err = err
             continue

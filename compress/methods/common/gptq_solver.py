@@ -40,7 +40,7 @@ def _group_params(scheme: Scheme, g: int, mse: bool, weighted_range: bool) -> Gr
 
 
 def _static_params(W: Tensor, hdiag: Tensor, scheme: Scheme, g: int, mse: bool, weighted_range: bool,
-                   chunk: int = 1 << 22) -> list[tuple[Tensor, Tensor | None]]:
+                   chunk: int = 1 << 18) -> list[tuple[Tensor, Tensor | None]]:
     """Every natural-order group's qparams, the same as :func:`_group_params` gives them group by group, in a
     few calls: the weighted range takes all groups at once; otherwise the full groups are stacked as the rows
     of one matrix (each with its own slice of ``hdiag``), ``chunk`` elements a call, and a ragged last group

@@ -103,6 +103,42 @@ def test_mse_params_never_worse_than_full_range(scheme):
     assert (best < full).float().mean() > 0.5
 
 
+def _mse_reference(w, scheme, c, grid=100, max_shrink=0.8, norm=2.4):
+    """mse_params by its definition: every shrunk copy ``w * p`` through find_params, quantize and dequantize."""
+    from dataclasses import replace
+
+    row = replace(scheme, group_size=-1)
+    best = None
+    for k in range(int(grid * max_shrink) + 1):
+        s, z = find_params(w * (1 - k / grid), scheme)
+        s1, z1 = s[:, None], None if z is None else z[:, None]
+        err = ((dequantize(quantize(w, s1, z1, row), s1, z1, row) - w).abs() ** norm * c).sum(1)
+        if best is None:
+            best = [err, s, z]
+            continue
+        better = err < best[0]
+        best = [torch.where(better, err, best[0]), torch.where(better, s, best[1]),
+                None if z is None else torch.where(better, z, best[2])]
+    return best[1], best[2]
+
+
+@pytest.mark.parametrize("scheme", [Scheme(4, 64, False), Scheme(4, 64, True), Scheme(3, 64, False),
+                                    Scheme(4, 64, False, zero_floor=1)])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_mse_params_is_its_definition_bit_for_bit(scheme, per_row):
+    """The search takes each candidate's qparams from the rows' two ends and rounds in place; the same codes' scales
+    and zeros as shrinking a copy of the weights for every candidate."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 64, generator=g) ** 3 * 0.01
+    w[0] = w[0].abs()  # a row above zero (its zero floors), one below, one constant
+    w[1] = -w[1].abs()
+    w[2] = 0.003
+    c = torch.rand(300, 64, generator=g) if per_row else torch.rand(64, generator=g) + 0.1
+    got, want = mse_params(w, scheme, c), _mse_reference(w, scheme, c)
+    assert torch.equal(got[0], want[0])
+    assert (got[1] is None and want[1] is None) or torch.equal(got[1], want[1])
+
+
 def _brute_force_range(w: torch.Tensor, e: torch.Tensor, scheme: Scheme, grid: int, max_shrink: float):
     """Reference for weighted_range_params: every (row, group) and every (lo, hi) shrink pair in plain loops."""
     from compress.format.quant import fp16_ceil
