@@ -155,22 +155,9 @@ def _carried_batches(run: Run, cfg: QuantizeConfig) -> list[Tensor]:
 
 def _held_out(block: nn.Module, linears: dict[str, nn.Linear], held: BlockInputs, cfg: QuantizeConfig
               ) -> dict[str, fallback.Gram | fallback.Rows]:
-    """What each linear is judged by on the held-out windows (one forward of the fp block): the token rows of a wide
-    input feeding a narrow output (down_proj: ``fallback.rows_cheaper``), else its Hessian (products in the search's
+    """What each linear is judged by on the held-out windows, observed on the fp block (products in the search's
     dtype)."""
-    n = held.tokens
-    rows = {name for name, m in linears.items() if fallback.rows_cheaper(n, m.in_features, m.out_features)}
-    kept: dict[str, list[Tensor]] = {name: [] for name in rows}
-    handles = [linears[name].register_forward_pre_hook(
-        lambda _, args, name=name: kept[name].append(args[0].detach().reshape(-1, args[0].shape[-1]))) for name in rows]
-    product = autocast_of(cfg.awq.search_dtype) or torch.float32
-    try:
-        grams = gptq_solver.observe(block, {k: m for k, m in linears.items() if k not in rows}, held, product=product)
-    finally:
-        for h in handles:
-            h.remove()
-    return {name: fallback.Rows(torch.cat(kept[name])) if name in rows else fallback.Gram(grams[name].H)
-            for name in linears}
+    return gptq_solver.observe_held(block, linears, held, product=autocast_of(cfg.awq.search_dtype) or torch.float32)
 
 
 def _observe(block: nn.Module, linears: dict[str, nn.Linear], bmap: BlockMap, inputs: BlockInputs, n_tokens: int,

@@ -14,7 +14,7 @@ from compress.calibrate import BlockInputs, Run, autocast_of, layers_name, run_s
 from compress.config import QuantizeConfig
 from compress.format import quant
 from compress.methods.common import fallback, guided
-from compress.methods.common.gptq_solver import observe, quantize_weight
+from compress.methods.common.gptq_solver import observe, observe_held, quantize_weight
 from compress.methods.common.hessian import Hessian
 from compress.methods.common.moe import ExpertResult, intermediate
 from compress.methods.common.report import LayerRecord
@@ -47,10 +47,14 @@ def pooled(H: Tensor, n: int, held: Hessian, share: float = 1.0) -> Tensor:
     return (H * n + held.H * (share * held.n)) / (n + held.n)
 
 
+Held = dict[str, Hessian | fallback.Gram | fallback.Rows]  # the held-out windows' Hessians (refit), else judges
+
+
 def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], hessians: dict[str, Hessian],
-                      cfg: QuantizeConfig, run: Run, held: dict[str, Hessian] | None = None, prefix: str = "") -> None:
-    """GPTQ of each of a block's linears against its Hessian, swapped for its packed weight; given the Hessians of
-    held-out windows (``held``), RTN's weight where its output error there is smaller (compress/methods/common/fallback.py)."""
+                      cfg: QuantizeConfig, run: Run, held: Held | None = None, prefix: str = "") -> None:
+    """GPTQ of each of a block's linears against its Hessian, swapped for its packed weight; given what judges the
+    held-out windows (``held``: their Hessians with ``refit``, else ``observe_held``'s), RTN's weight where its
+    output error there is smaller (compress/methods/common/fallback.py)."""
     keep, refit = run.latents is not None, held is not None and cfg.gptq.refit
     for name, lin in linears.items():
         h = hessians.pop(name)
@@ -60,8 +64,8 @@ def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], h
         record, weight = LayerRecord(i, name, res.loss), res.weight
         if held is not None:
             plain = quant.quantize_weight(lin.weight.data, cfg.scheme)
-            choice = fallback.compare(lin.weight.data, res.weight.dequantize(), plain.dequantize(),
-                                      fallback.Gram(held[name].H))
+            judge = fallback.Gram(held[name].H) if refit else held[name]
+            choice = fallback.compare(lin.weight.data, res.weight.dequantize(), plain.dequantize(), judge)
             judged = choice.judgement()
             record = LayerRecord(i, name, res.loss, judged, names=[f"{prefix}{name}"])
             log.info("%s%s: held-out error gptq %.4g, rtn %.4g -> %s", prefix, name, judged.heldout_error,
@@ -98,7 +102,8 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
         fit_inputs, held_inputs = inputs.split(run.holdout)
         outputs = empty_like(inputs.hidden) if fp else None  # the fp block's, fit batches first, as they come in
         hessians = observe(block, linears, fit_inputs, weights, outputs)
-        held = None if held_inputs is None else observe(block, linears, held_inputs, outputs=outputs)
+        held = None if held_inputs is None else (observe if cfg.gptq.refit else observe_held)(
+            block, linears, held_inputs, outputs=outputs)  # refit pools the held-out Hessians in
         _quantize_linears(i, block, linears, hessians, cfg, run, held, f"{prefix}.{i}.")
         if run.experts is not None:
             run.report.layers.extend(run.experts(i, block, inputs, partial(quantize_expert, cfg=cfg)))

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from compress.calibrate import BlockInputs
 from compress.config import GPTQOptions
 from compress.format.quant import QuantizedWeight, Scheme, find_params, mse_params, weighted_range_params
+from compress.methods.common import fallback
 from compress.methods.common.hessian import Hessian, InputOwners
 
 GroupParams = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]  # (w [out, k], H diagonal [k])
@@ -200,3 +201,23 @@ def observe(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs
         for h in handles:
             h.remove()
     return hessians if weights is not None else {n: hessians[owners.owner[n]] for n in linears}
+
+
+def observe_held(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs,
+                 outputs: list[Tensor] | None = None, product: torch.dtype = torch.float32
+                 ) -> dict[str, fallback.Gram | fallback.Rows]:
+    """What each linear is judged by on held-out windows (one forward of the block, as :func:`observe`): the token
+    rows of a wide input feeding a narrow output (down_proj: ``fallback.rows_cheaper``), else its Hessian."""
+    rows = {n for n, m in linears.items() if fallback.rows_cheaper(inputs.tokens, m.in_features, m.out_features)}
+    kept: dict[str, list[Tensor]] = {n: [] for n in rows}
+
+    def keep(name):
+        return lambda module, args: kept[name].append(args[0].detach().reshape(-1, args[0].shape[-1]))
+    handles = [linears[n].register_forward_pre_hook(keep(n)) for n in rows]
+    try:
+        grams = observe(block, {n: m for n, m in linears.items() if n not in rows}, inputs, outputs=outputs,
+                        product=product)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: fallback.Rows(torch.cat(kept[n])) if n in rows else fallback.Gram(grams[n].H) for n in linears}
