@@ -29,20 +29,22 @@ class Sampler:
         self.abs_sum: dict[str, Tensor] = {}
         self.count: dict[str, int] = {}
         self.samples: dict[str, list[Tensor]] = {}
-        # whole batches entering the modules that judge a scale (attention needs full sequences)
-        tokens_per_batch = inputs.hidden[0].shape[0] * inputs.hidden[0].shape[1]
-        self.n_batches = max(1, min(len(inputs.hidden), -(-n_tokens // tokens_per_batch)))
+        # whole sequences entering the modules that judge a scale (attention needs them whole): the first batches'
+        # first sequences holding n_tokens
+        self.module_tokens = n_tokens
         self.module_inputs: dict[str, list[tuple[Tensor, dict]]] = {}
         self._last: tuple | None = None  # (input, batch, its summary): see _summary
 
     def module_hook(self, name: str):
         def fn(module, args, kwargs):
             calls = self.module_inputs.setdefault(name, [])
-            if len(calls) < self.n_batches:
-                kwargs = dict(kwargs)
-                hidden = args[0] if args else kwargs.pop("hidden_states")
-                calls.append((hidden.float(), {k: v for k, v in kwargs.items()
-                                               if k not in ("past_key_values", "past_key_value", "use_cache")}))
+            kwargs = dict(kwargs)
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            left = self.module_tokens - sum(h.shape[0] * h.shape[1] for h, _ in calls)
+            if left > 0:
+                batch, rows = hidden.shape[0], min(hidden.shape[0], -(-left // hidden.shape[1]))
+                calls.append((hidden[:rows].float(), {k: first_rows(v, rows, batch) for k, v in kwargs.items()
+                                                      if k not in ("past_key_values", "past_key_value", "use_cache")}))
         return fn
 
     def hook(self, name: str):
@@ -77,3 +79,16 @@ class Sampler:
 
     def x(self, name: str) -> Tensor:
         return torch.cat(self.samples[name])
+
+
+def first_rows(value, rows: int, batch: int):
+    """A module's keyword argument cut to the first ``rows`` sequences of a ``batch``: tensors whose first dimension
+    is the batch (a 4-D attention mask), inside tuples too; the rest (positions and rotary tables shared by the
+    batch, flags) as they are."""
+    if rows == batch:
+        return value
+    if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[0] == batch:
+        return value[:rows]
+    if isinstance(value, tuple):
+        return tuple(first_rows(v, rows, batch) for v in value)
+    return value
