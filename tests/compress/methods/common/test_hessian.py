@@ -1,0 +1,28 @@
+"""GPTQ's Hessian (compress/methods/common/hessian.py): the panelled lower-triangle product is x^T x, symmetric."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compress.methods.common.hessian import Hessian, add_gram_
+
+
+@pytest.mark.parametrize("n, width", [(40, 64), (64, 16), (70, 16), (130, 32)])  # one panel, even, ragged last panel
+def test_panelled_gram_is_the_full_product(n, width):
+    x = torch.randn(300, n, generator=torch.Generator().manual_seed(n))
+    start = torch.randn(n, n, generator=torch.Generator().manual_seed(1))
+    start = start @ start.T  # an accumulated Hessian: symmetric
+    want = start.clone().addmm_(x.T, x)
+    got = add_gram_(start.clone(), x, width)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    assert torch.equal(got, got.T)  # mirrored, not two products that may round apart
+
+
+def test_hessian_accumulates_the_mean_of_2_x_xT_in_panels():
+    x = torch.randn(2, 50, 700, generator=torch.Generator().manual_seed(0))  # wider than one panel
+    h = Hessian.zeros(700)
+    h.add(x[0])
+    h.add(x[1])
+    flat = x.reshape(-1, 700)
+    torch.testing.assert_close(h.H, 2 * flat.T @ flat / 100, rtol=1e-4, atol=1e-4)
+    assert h.n == 100 and torch.equal(h.H, h.H.T)
