@@ -20,7 +20,7 @@ Conventions (every exporter and kernel relies on these):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor

@@ -212,8 +212,9 @@ def _scale_prev(prev: nn.Module, s: Tensor, norm_offset: float) -> None:
 @dataclass
 class _Judge:
     """The held-out side of one block's AWQ (compress/methods/common/fallback.py): what each linear is judged by on the
-    held-out windows (observed on the fp block), the weights already rounded while judging a group (reused at the end unless a later
-    group rescales that linear's rows), the linears judged with a group, and those that fell back to plain RTN."""
+    held-out windows (observed on the fp block), the weights already rounded while judging a group (reused at the
+    end unless a later group rescales that linear's rows), the linears judged with a group, and those that fell back
+    to plain RTN."""
 
     held: dict[str, fallback.Gram | fallback.Rows]
     prefix: str

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from compress.format.checkpoint import set_module
