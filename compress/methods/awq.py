@@ -153,13 +153,6 @@ def _carried_batches(run: Run, cfg: QuantizeConfig) -> list[Tensor]:
     return fit[:keep] + run.held_batches
 
 
-def _held_out(block: nn.Module, linears: dict[str, nn.Linear], held: BlockInputs, cfg: QuantizeConfig
-              ) -> dict[str, fallback.Gram | fallback.Rows]:
-    """What each linear is judged by on the held-out windows, observed on the fp block (products in the search's
-    dtype)."""
-    return gptq_solver.observe_held(block, linears, held, product=autocast_of(cfg.awq.search_dtype) or torch.float32)
-
-
 def _observe(block: nn.Module, linears: dict[str, nn.Linear], bmap: BlockMap, inputs: BlockInputs, n_tokens: int,
              seed: int, hessians: dict[str, gptq_solver.Hessian] | None, weights: dict[str, list[Tensor]] | None) -> Sampler:
     """Run the block once with hooks on its linears (and the modules that judge a scale)."""
@@ -380,7 +373,9 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     def per_block(i: int, block: nn.Module, inputs: BlockInputs) -> None:
         linears = target_linears(block, cfg.ignore, f"{prefix}.{i}.")
         fit, held = inputs.split(run.holdout)
-        judge = None if held is None else _Judge(_held_out(block, linears, held, cfg), f"{prefix}.{i}.")
+        product = autocast_of(cfg.awq.search_dtype) or torch.float32  # the held-out judges' products
+        judge = None if held is None else _Judge(gptq_solver.observe_held(block, linears, held, product=product),
+                                                 f"{prefix}.{i}.")
         hessians = _shared_hessians(linears, bmap, tw is not None) if cfg.awq.rounding == "gptq" else None
         observed = fit if hessians is not None else _first_tokens(fit, cfg.awq.observe_tokens)
         sampler = _observe(block, linears, bmap, observed, cfg.awq.search_tokens, cfg.seed + i, hessians,
