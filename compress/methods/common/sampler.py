@@ -38,10 +38,10 @@ class Sampler:
     def module_hook(self, name: str):
         def fn(module, args, kwargs):
             calls = self.module_inputs.setdefault(name, [])
-            kwargs = dict(kwargs)
-            hidden = args[0] if args else kwargs.pop("hidden_states")
             left = self.module_tokens - sum(h.shape[0] * h.shape[1] for h, _ in calls)
-            if left > 0:
+            if left > 0:  # nothing copied once the tokens are held
+                kwargs = dict(kwargs)
+                hidden = args[0] if args else kwargs.pop("hidden_states")
                 batch, rows = hidden.shape[0], min(hidden.shape[0], -(-left // hidden.shape[1]))
                 calls.append((hidden[:rows].float(), {k: first_rows(v, rows, batch) for k, v in kwargs.items()
                                                       if k not in ("past_key_values", "past_key_value", "use_cache")}))
