@@ -42,6 +42,7 @@ class GPTQOptions:
     act_order: bool = False
     static_groups: bool = False
     mse: bool = False  # clip each group's grid to minimise the H-diagonal-weighted rounding error
+    mse_coarse: int = 0  # the mse grid: every step (0), or every mse_coarse-th, then refined (quant.mse_params)
     guided: bool = False  # weigh each Hessian's tokens by their loss gradients (methods/common/guided.py; not streamed)
     guided_mix: float = 1.0  # the gradient-weighted Hessian's share, the plain one the rest (1: GuidedQuant's)
     guided_nsamples: int = 0  # calibration sequences the gradient pass covers (0: all)
@@ -52,6 +53,9 @@ class GPTQOptions:
         if not 0 < self.damp < 1:
             raise ValueError(f"damp={self.damp} must be in (0, 1), e.g. 0.01")
         _at_least_one(self, ("block_size",))
+        if self.mse_coarse < 0 or (self.mse_coarse and not self.mse):
+            raise ValueError(f"mse_coarse={self.mse_coarse} thins the mse grid: set mse: true too, and 0 or a step "
+                             "count >= 1 (e.g. 4)")
         if not 0 < self.guided_mix <= 1:
             raise ValueError(f"guided_mix={self.guided_mix} must be in (0, 1], e.g. 0.5")
         if self.guided_mix != 1 and not self.guided:

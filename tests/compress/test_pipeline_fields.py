@@ -47,6 +47,7 @@ MOE_READS = {m: READS[m] - {"guided", "guided_mix", "guided_nsamples", "sequenti
 CONTEXT = {**{("awq", f): {"rounding": "gptq"} for f in GPTQ},
            ("gptq", "guided_mix"): {"guided": True}, ("awq", "guided_mix"): {"rounding": "gptq", "guided": True},
            ("gptq", "guided_nsamples"): {"guided": True, "guided_mix": 0.5},
+           ("gptq", "mse_coarse"): {"mse": True}, ("awq", "mse_coarse"): {"rounding": "gptq", "mse": True},
            ("awq", "guided_nsamples"): {"rounding": "gptq", "guided": True, "guided_mix": 0.5},
            **{("qat", f): {"init": "awq"} for f in AWQ | {"calib_dtype", "weighted_range"}},
            ("qat", "learn_zero"): {"steps": 4, "scale_lr": 0.9},
@@ -99,7 +100,8 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
 }
 CHANGE = {
     "bits": 3, "group_size": 16, "sym": True, "seed": 1, "batch_size": 4, "calib_dtype": "bfloat16",
-    "damp": 0.5, "act_order": True, "static_groups": True, "mse": True, "guided": True, "guided_mix": 0.5, "guided_nsamples": 2,
+    "damp": 0.5, "act_order": True, "static_groups": True, "mse": True, "mse_coarse": 4, "guided": True, "guided_mix": 0.5,
+    "guided_nsamples": 2,
     "sequential": False,
     "weighted_range": True,
     "grid": 3, "duo_scaling": False, "clip": False, "search_tokens": 8, "clip_tokens": 4, "clip_grid": 4,

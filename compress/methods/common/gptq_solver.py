@@ -29,19 +29,19 @@ class GPTQResult:
     latent: Tensor | None = None
 
 
-def _group_params(scheme: Scheme, g: int, mse: bool, weighted_range: bool) -> GroupParams:
+def _group_params(scheme: Scheme, g: int, mse: bool, weighted_range: bool, coarse: int = 0) -> GroupParams:
     """How one group's scale and zero are picked: min/max, the H-diagonal-weighted ``mse`` grid, or the
     weighted range whose two ends move independently."""
     def params(w: Tensor, hdiag: Tensor) -> tuple[Tensor, Tensor | None]:
         if weighted_range:  # w: [out, k <= g] is one group
             scale, zero = weighted_range_params(w, replace(scheme, group_size=g), hdiag)
             return scale[:, 0], None if zero is None else zero[:, 0]
-        return mse_params(w, scheme, hdiag) if mse else find_params(w, scheme)
+        return mse_params(w, scheme, hdiag, coarse=coarse) if mse else find_params(w, scheme)
     return params
 
 
 def _static_params(W: Tensor, hdiag: Tensor, scheme: Scheme, g: int, mse: bool, weighted_range: bool,
-                   chunk: int = 1 << 18) -> list[tuple[Tensor, Tensor | None]]:
+                   chunk: int = 1 << 18, coarse: int = 0) -> list[tuple[Tensor, Tensor | None]]:
     """Every natural-order group's qparams, the same as :func:`_group_params` gives them group by group, in a
     few calls: the weighted range takes all groups at once; otherwise the full groups are stacked as the rows
     of one matrix (each with its own slice of ``hdiag``), ``chunk`` elements a call, and a ragged last group
@@ -51,7 +51,7 @@ def _static_params(W: Tensor, hdiag: Tensor, scheme: Scheme, g: int, mse: bool, 
         return [(scale[:, j], None if zero is None else zero[:, j]) for j in range(scale.shape[1])]
 
     def params(w: Tensor, c: Tensor) -> tuple[Tensor, Tensor | None]:
-        return mse_params(w, scheme, c) if mse else find_params(w, scheme)
+        return mse_params(w, scheme, c, coarse=coarse) if mse else find_params(w, scheme)
     out_f, in_f = W.shape
     n_full = in_f // g
     rows = max(1, chunk // g)
@@ -84,10 +84,10 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, opts: GPTQOptions = GP
     hdiag[dead] = 1
     W[:, dead] = 0
     g = scheme.group(in_f)
-    params = _group_params(scheme, g, opts.mse, weighted_range)
+    params = _group_params(scheme, g, opts.mse, weighted_range, opts.mse_coarse)
     static = None
     if opts.static_groups:  # qparams per natural-order group, fixed before any update
-        static = _static_params(W, hdiag, scheme, g, opts.mse, weighted_range)
+        static = _static_params(W, hdiag, scheme, g, opts.mse, weighted_range, coarse=opts.mse_coarse)
     perm = torch.argsort(hdiag, descending=True) if opts.act_order else None
     # Memory: H is never written; each [in, in] step below makes a new matrix and drops the one before it, so
     # two exist at a time, besides the caller's H if the caller still holds it (at width 14336 each is 0.77 GiB).

@@ -215,3 +215,24 @@ def test_zero_floor_keeps_zeros_at_least_one_and_every_weight_within_half_a_step
     _, zw = weighted_range_params(w, floored, torch.rand(96, generator=g))
     assert int(zw.min()) >= 1
     assert floored.to_dict()["zero_floor"] == 1 and "zero_floor" not in plain.to_dict()
+
+
+@pytest.mark.parametrize("scheme", [Scheme(4, 64, False), Scheme(4, 64, True), Scheme(3, 64, False)])
+def test_mse_params_coarse_then_refined_is_close_to_every_step(scheme):
+    """``coarse``: every 4th step, then each row's neighbours: the same step on most rows, the summed error within
+    a fraction of a percent, never worse than the full range; ``coarse=1`` is the full grid."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(2000, 64, generator=g) ** 3 * 0.01
+    c = torch.rand(64, generator=g) + 0.1
+
+    def err(params):
+        s, z = params
+        zf = float(scheme.sym_zero) if z is None else z.float()[:, None]
+        q = torch.clamp(torch.round(w / s.float()[:, None]) + zf, 0, scheme.maxq)
+        return (((q - zf) * s.float()[:, None] - w).abs() ** 2.4) @ c
+
+    every, coarse = mse_params(w, scheme, c), mse_params(w, scheme, c, coarse=4)
+    assert all(torch.equal(a, b) for a, b in zip(mse_params(w, scheme, c, coarse=1), every) if a is not None)
+    assert (err(coarse) <= err(find_params(w, scheme)) * (1 + 1e-6)).all()
+    assert (coarse[0] == every[0]).float().mean() > 0.9
+    assert err(every).sum() <= err(coarse).sum() <= err(every).sum() * 1.005
