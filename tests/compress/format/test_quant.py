@@ -1,3 +1,4 @@
+import functools
 import math
 
 import pytest
@@ -84,6 +85,14 @@ def test_fake_quantize_is_exactly_the_stored_round_trip(scheme):
     assert torch.equal(fake_quantize(w, scheme), dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme))
 
 
+def _grid_error(w, scheme, c, params):
+    """Each row's ``sum_j c_j |w_j - dq(w_j)|^2.4`` under the qparams ``params``."""
+    s, z = params
+    zf = float(scheme.sym_zero) if z is None else z.float()[:, None]
+    q = torch.clamp(torch.round(w / s.float()[:, None]) + zf, 0, scheme.maxq)
+    return (((q - zf) * s.float()[:, None] - w).abs() ** 2.4) @ c
+
+
 @pytest.mark.parametrize("scheme", [Scheme(4, 64, False), Scheme(4, 64, True), Scheme(3, 64, False)])
 def test_mse_params_never_worse_than_full_range(scheme):
     """The full range is one of the candidates, so the weighted error can only go down; heavy-tailed
@@ -91,13 +100,7 @@ def test_mse_params_never_worse_than_full_range(scheme):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 64, generator=g) ** 3
     c = torch.rand(64, generator=g) + 0.1
-
-    def err(params):
-        s, z = params
-        zf = float(scheme.sym_zero) if z is None else z.float()[:, None]
-        q = torch.clamp(torch.round(w / s.float()[:, None]) + zf, 0, scheme.maxq)
-        return (((q - zf) * s.float()[:, None] - w).abs() ** 2.4) @ c
-
+    err = functools.partial(_grid_error, w, scheme, c)
     full, best = err(find_params(w, scheme)), err(mse_params(w, scheme, c))
     assert (best <= full * (1 + 1e-6)).all()
     assert (best < full).float().mean() > 0.5
@@ -224,13 +227,7 @@ def test_mse_params_coarse_then_refined_is_close_to_every_step(scheme):
     g = torch.Generator().manual_seed(2)
     w = torch.randn(2000, 64, generator=g) ** 3 * 0.01
     c = torch.rand(64, generator=g) + 0.1
-
-    def err(params):
-        s, z = params
-        zf = float(scheme.sym_zero) if z is None else z.float()[:, None]
-        q = torch.clamp(torch.round(w / s.float()[:, None]) + zf, 0, scheme.maxq)
-        return (((q - zf) * s.float()[:, None] - w).abs() ** 2.4) @ c
-
+    err = functools.partial(_grid_error, w, scheme, c)
     every, coarse = mse_params(w, scheme, c), mse_params(w, scheme, c, coarse=4)
     assert all(torch.equal(a, b) for a, b in zip(mse_params(w, scheme, c, coarse=1), every) if a is not None)
     assert (err(coarse) <= err(find_params(w, scheme)) * (1 + 1e-6)).all()
