@@ -20,8 +20,7 @@ def add_gram_(H: Tensor, x: Tensor, width: int = 512) -> Tensor:
         H[i:, i:i + width].addmm_(x[:, i:].T, x[:, i:i + width])
     for i in range(0, n, width):
         block = H[i:i + width, i:i + width]  # its two triangles come from one product, maybe rounded apart
-        upper = torch.triu_indices(*block.shape, 1)
-        block[upper[0], upper[1]] = block[upper[1], upper[0]]
+        block.copy_(block.tril() + block.tril(-1).T)
         H[i:i + width, i + width:].copy_(H[i + width:, i:i + width].T)
     return H
 
