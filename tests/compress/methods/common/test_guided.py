@@ -7,6 +7,7 @@ from tiny_models import tiny_model
 from compress.calibrate import capture_inputs, decoder_layers
 from compress.config import QuantizeConfig
 from compress.methods.common import gptq_solver
+from compress.methods.common import guided
 from compress.methods.common.guided import token_weights
 from compress.pipeline import quantize_model
 
@@ -41,6 +42,29 @@ def test_weights_are_the_squared_loss_gradient_at_each_output():
     assert got.shape == (2, 2, 12) and torch.allclose(got.mean(), torch.tensor(1.0))
     assert torch.allclose(got, want, rtol=0.1, atol=0.02)
     assert (got[..., -1] == 0).all()  # the last position predicts nothing
+
+
+def test_weights_held_as_bfloat16_give_the_same_token_weights_and_come_back_exactly():
+    """A model whose linear weights are bfloat16 values (read from bfloat16 shards) runs the pass on bfloat16 copies
+    of them: the same numbers as autocast's casts, and every weight restored bit for bit, as float32."""
+    model = tiny_model("llama", layers=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    want = token_weights(copy.deepcopy(model), BATCHES)
+    lin = guided.quantized_linears(model)
+    up = lin[(0, "mlp.up_proj")].weight
+    kept = up.data[0, 0].item()
+    up.data[0, 0] = kept + 1e-6  # a value that bfloat16 would round: that weight stays float32
+    with guided.bfloat16_weights(lin) as n:
+        assert n == len(lin) - 1 and up.dtype == torch.float32
+        assert lin[(1, "mlp.down_proj")].weight.dtype == torch.bfloat16
+    assert all(m.weight.dtype == torch.float32 for m in lin.values())
+    up.data[0, 0] = kept
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    got = token_weights(model, BATCHES)
+    assert all(torch.equal(a, b) for k in want for a, b in zip(got[k], want[k]))
 
 
 def test_weighted_hessian_counts_each_token_by_its_weight():
