@@ -97,3 +97,39 @@ def members(text: str, i: int) -> Members | None:
         if text[j] != ",":
             return None
         j = skip_blanks(text, j + 1)
+
+
+class GrowingValue:
+    """A JSON object or array the text is still writing, followed as the text grows: ``feed`` reads only what was
+    appended since its last call and answers what ``value_end`` would for the whole text (strings and brackets
+    alike), so a stream need not read the value again from its start at each token."""
+
+    def __init__(self, text: str, start: int):
+        if not text.startswith(("{", "["), start):
+            raise ValueError(f"no JSON object or array starts at {start}")
+        self.start, self.at, self.depth, self.in_string, self.escaped = start, start, 0, False, False
+
+    def feed(self, text: str) -> int:
+        """The index past the value in ``text`` (the same text as before, grown), ``OPEN`` while it is open."""
+        if self.depth == 0 and self.at > self.start:
+            return self.at  # closed already
+        for j in range(self.at, len(text)):
+            c = text[j]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.at = j + 1
+                    return j + 1
+        self.at = len(text)
+        return OPEN
