@@ -27,6 +27,7 @@ from compress.methods.common.clip import clip_weight, full_range, grouped, searc
 from compress.methods.common.sampler import Sampler
 from compress.methods.common import gptq_solver
 from compress.methods.common.grid import grid_order
+from compress.methods.common.hessian import product_of
 from compress.methods.common.moe import ExpertResult, intermediate
 from compress.methods.common.report import LayerRecord, Record, SmoothRecord
 
@@ -118,17 +119,18 @@ def round_weight(w: Tensor, x: Tensor, H: Tensor | None, cfg: QuantizeConfig, cl
     return Rounded(res.weight, res.loss, kept)
 
 
-def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap, guided: bool) -> dict[str, gptq_solver.Hessian]:
+def _shared_hessians(linears: dict[str, nn.Module], bmap: BlockMap, guided: bool,
+                     product: torch.dtype) -> dict[str, gptq_solver.Hessian]:
     """One GPTQ Hessian per distinct input: the linears a norm smooths together read the same tensor (unless guided:
     then each linear weights the tokens by its own outputs' gradients)."""
     out: dict[str, gptq_solver.Hessian] = {}
     for sm in bmap.smooths:
         if not guided and all(n in linears for n in sm.linears):
-            h = gptq_solver.Hessian.zeros(linears[sm.linears[0]].in_features)
+            h = gptq_solver.Hessian.zeros(linears[sm.linears[0]].in_features, product)
             out.update({n: h for n in sm.linears})
     for name, lin in linears.items():
         if name not in out:
-            out[name] = gptq_solver.Hessian.zeros(lin.in_features)
+            out[name] = gptq_solver.Hessian.zeros(lin.in_features, product)
     return out
 
 
@@ -308,7 +310,7 @@ def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeC
     inter_all = intermediate(x, w_gu, act)  # [n, I]
     h_gu = h_dn = None
     if opts.rounding == "gptq":  # GPTQ's Hessians over every routed token, as the dense path's
-        h_gu, h_dn = gptq_solver.Hessian.zeros(x.shape[1]), gptq_solver.Hessian.zeros(inter_all.shape[1])
+        h_gu, h_dn = (gptq_solver.Hessian.zeros(n, product_of(cfg.gptq)) for n in (x.shape[1], inter_all.shape[1]))
         h_gu.add(x)
         h_dn.add(inter_all)
     rows = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[:opts.search_tokens]
@@ -376,7 +378,8 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
         product = autocast_of(cfg.awq.search_dtype) or torch.float32  # the held-out judges' products
         judge = None if held is None else _Judge(gptq_solver.observe_held(block, linears, held, product=product),
                                                  f"{prefix}.{i}.")
-        hessians = _shared_hessians(linears, bmap, tw is not None) if cfg.awq.rounding == "gptq" else None
+        hessians = (_shared_hessians(linears, bmap, tw is not None, product_of(cfg.gptq))
+                    if cfg.awq.rounding == "gptq" else None)
         observed = fit if hessians is not None else _first_tokens(fit, cfg.awq.observe_tokens)
         sampler = _observe(block, linears, bmap, observed, cfg.awq.search_tokens, cfg.seed + i, hessians,
                            None if tw is None else {n: tw.pop((i, n)) for n in linears})

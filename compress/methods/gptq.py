@@ -15,7 +15,7 @@ from compress.config import QuantizeConfig
 from compress.format import quant
 from compress.methods.common import fallback, guided
 from compress.methods.common.gptq_solver import observe, observe_held, quantize_weight
-from compress.methods.common.hessian import Hessian
+from compress.methods.common.hessian import Hessian, product_of
 from compress.methods.common.moe import ExpertResult, intermediate
 from compress.methods.common.report import LayerRecord
 from compress.offload import empty_like
@@ -26,11 +26,11 @@ log = logging.getLogger(__name__)
 def quantize_expert(w_gu: Tensor, w_down: Tensor, x: Tensor, act, cfg: QuantizeConfig) -> ExpertResult:
     """GPTQ of one MoE expert on its routed tokens ``x [n, H]``; the down projection's Hessian is taken on
     the outputs of the already quantized gate/up (sequential within the expert)."""
-    h = Hessian.zeros(x.shape[1])
+    h = Hessian.zeros(x.shape[1], product_of(cfg.gptq))
     h.add(x)
     gu = quantize_weight(w_gu, h.release(), cfg.scheme, cfg.gptq, cfg.weighted_range)
     inter = intermediate(x, gu.weight.dequantize(), act)
-    h = Hessian.zeros(inter.shape[1])
+    h = Hessian.zeros(inter.shape[1], product_of(cfg.gptq))
     h.add(inter)
     dn = quantize_weight(w_down, h.release(), cfg.scheme, cfg.gptq, cfg.weighted_range)
     return ExpertResult(gu.weight, dn.weight, {"gate_up_proj": gu.loss, "down_proj": dn.loss})
@@ -86,13 +86,15 @@ def _quantize_linears(i: int, block: nn.Module, linears: dict[str, nn.Linear], h
 def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
     """GPTQ, block by block, then each block's MoE experts. Each block's Hessians are taken on the previous blocks'
     quantized outputs, or with ``sequential: false`` on the fp model's (the fp block's outputs, seen while its
-    Hessians are taken, go on to the next block: one forward per block, not two). Products in float32: from
-    bfloat16 ones SmolLM2's block 0 o_proj Hessian is not positive definite even at damp 0.05.
+    Hessians are taken, go on to the next block: one forward per block, not two). Products in float32, or with
+    ``bf16_gram`` of the inputs rounded to bfloat16, summed in float32 (a bfloat16 matmul's rounded output is not
+    positive definite: SmolLM2's block 0 o_proj even at damp 0.05).
     ``guided``: the gradient pass (compress/methods/common/guided.py) first weighs every token of each linear's Hessian. With
     held-out batches (``run.holdout``), GPTQ fits on the others and each linear keeps RTN where that is better on
     them (the MoE experts, not judged, fit on every batch)."""
     prefix = layers_name(model)
     fp = not cfg.gptq.sequential
+    product = product_of(cfg.gptq)
     tw = guided.token_weights(model, run.fit_batches, cfg.ignore, cfg.gptq.guided_mix, cfg.gptq.guided_nsamples,
                               run.progress) if cfg.gptq.guided else None
 
@@ -101,9 +103,9 @@ def quantize(model: nn.Module, cfg: QuantizeConfig, run: Run) -> None:
         weights = None if tw is None else {n: tw.pop((i, n)) for n in linears}
         fit_inputs, held_inputs = inputs.split(run.holdout)
         outputs = empty_like(inputs.hidden) if fp else None  # the fp block's, fit batches first, as they come in
-        hessians = observe(block, linears, fit_inputs, weights, outputs)
+        hessians = observe(block, linears, fit_inputs, weights, outputs, product)
         held = None if held_inputs is None else (observe if cfg.gptq.refit else observe_held)(
-            block, linears, held_inputs, outputs=outputs)  # refit pools the held-out Hessians in
+            block, linears, held_inputs, outputs=outputs, product=product)  # refit pools the held-out Hessians in
         _quantize_linears(i, block, linears, hessians, cfg, run, held, f"{prefix}.{i}.")
         if run.experts is not None:
             run.report.layers.extend(run.experts(i, block, inputs, partial(quantize_expert, cfg=cfg)))

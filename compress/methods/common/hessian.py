@@ -2,6 +2,7 @@
 which linears share one because they read the very same tensor."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -25,12 +26,36 @@ def add_gram_(H: Tensor, x: Tensor, width: int = 512) -> Tensor:
     return H
 
 
+@functools.cache
+def _bf16_kernel() -> bool:
+    """Whether the native bf16 Gram runs here (runtime/kernels/cpu/gram.cpp: built once per machine, AVX512-BF16)."""
+    from runtime.kernels import cpu_ext
+
+    return cpu_ext.load() and bool(torch.ops.compress_cpu.has_bf16_dot())
+
+
+def add_gram_bf16_(H: Tensor, x: Tensor, alpha: float) -> Tensor:
+    """``H += alpha x^T x`` for ``x: [tokens, in]`` bfloat16, every product and sum in float32: the Gram of the
+    bfloat16 values, positive semidefinite as any Gram (a bfloat16 matmul's rounded output is not). The native
+    kernel where this CPU has bfloat16 dot products (~2x float32's rate), else the float32 product of the same
+    values; the two agree to float32 summation order."""
+    if _bf16_kernel():
+        torch.ops.compress_cpu.gram_bf16_(H, x.contiguous(), alpha)
+        return H
+    return add_gram_(H, x.float() * alpha ** 0.5)
+
+
+def product_of(opts) -> torch.dtype:
+    """The Hessians' products GPTQ's options ask for (``GPTQOptions.bf16_gram``)."""
+    return torch.bfloat16 if opts.bf16_gram else torch.float32
+
+
 @dataclass
 class Hessian:
-    """Running mean of ``2 x^T x`` over calibration tokens, held in float32. ``product``: the dtype its ``x^T x``
-    products are computed in, each call's sum rounded to it (bfloat16 halves the time where only a comparison reads
-    the matrix, as the fallback's held-out judging does; GPTQ's own need float32: from bfloat16 products SmolLM2's
-    block 0 o_proj Hessian is not positive definite)."""
+    """Running mean of ``2 x^T x`` over calibration tokens, held in float32. ``product``: float32, or bfloat16 for
+    the Gram of the inputs rounded to bfloat16 (each weighted token's ``sqrt(w) x``), summed in float32
+    (:func:`add_gram_bf16_`): what a linear computing in bfloat16 multiplies, at about twice the rate where the CPU
+    has bfloat16 dot products."""
 
     H: Tensor
     n: int = 0
@@ -38,23 +63,25 @@ class Hessian:
 
     @classmethod
     def zeros(cls, in_features: int, product: torch.dtype = torch.float32) -> "Hessian":
+        if product not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"Hessian products in {product}: float32 or bfloat16")
         return cls(torch.zeros(in_features, in_features, dtype=torch.float32), product=product)
 
     def add(self, x: Tensor, weight: Tensor | None = None) -> None:
         """``x: [..., in]``; ``weight: [...]`` counts each token's ``x x^T`` that many times
         (compress/methods/common/guided.py)."""
-        x = x.reshape(-1, x.shape[-1]).float()
+        x = x.reshape(-1, x.shape[-1])
+        if weight is not None or self.product == torch.float32:
+            x = x.float()
         if weight is not None:
             x = x * weight.reshape(-1, 1).sqrt()
         t = x.shape[0]
         self.H.mul_(self.n / (self.n + t))
         self.n += t
-        x = x * (2 / self.n) ** 0.5
         if self.product == torch.float32:
-            add_gram_(self.H, x)
+            add_gram_(self.H, x * (2 / self.n) ** 0.5)
         else:
-            x = x.to(self.product)
-            self.H.add_((x.T @ x).float())
+            add_gram_bf16_(self.H, x.to(torch.bfloat16), 2 / self.n)
 
     def release(self) -> Tensor:
         """The matrix, handed over: this object lets go of it, so that :func:`quantize_weight` frees it as
