@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 OPEN = -1  # the text ends inside the value
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_STRING_BODY = re.compile(r'(?:[^"\\]|\\.)*', re.DOTALL)  # a string's characters, up to its closing quote
 _BRACKET_OR_QUOTE = re.compile(r'["{}\[\]]')
 _SCALAR_END = re.compile(r'[\s,:{}\[\]"]')
 
@@ -29,19 +30,7 @@ def value_end(text: str, i: int) -> int | None:
         m = _STRING.match(text, i)
         return m.end() if m else OPEN
     if text[i] in "{[":
-        depth, j = 0, i
-        while (m := _BRACKET_OR_QUOTE.search(text, j)) is not None:
-            j = m.start()
-            if text[j] == '"':
-                s = _STRING.match(text, j)
-                if s is None:
-                    return OPEN
-                j = s.end()
-                continue
-            depth, j = depth + (1 if text[j] in "{[" else -1), j + 1
-            if depth == 0:
-                return j
-        return OPEN
+        return GrowingValue(text, i).feed(text)
     m = _SCALAR_END.search(text, i)
     if m is None:
         return OPEN
@@ -101,35 +90,37 @@ def members(text: str, i: int) -> Members | None:
 
 class GrowingValue:
     """A JSON object or array the text is still writing, followed as the text grows: ``feed`` reads only what was
-    appended since its last call and answers what ``value_end`` would for the whole text (strings and brackets
-    alike), so a stream need not read the value again from its start at each token."""
+    appended since its last call (strings and brackets, as ``value_end`` reads them), so a stream need not read the
+    value again from its start at each token."""
 
     def __init__(self, text: str, start: int):
         if not text.startswith(("{", "["), start):
             raise ValueError(f"no JSON object or array starts at {start}")
-        self.start, self.at, self.depth, self.in_string, self.escaped = start, start, 0, False, False
+        self.start, self.at, self.depth, self.in_string = start, start, 0, False
 
     def feed(self, text: str) -> int:
         """The index past the value in ``text`` (the same text as before, grown), ``OPEN`` while it is open."""
         if self.depth == 0 and self.at > self.start:
             return self.at  # closed already
-        for j in range(self.at, len(text)):
-            c = text[j]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_string = False
-            elif c == '"':
+        j = self.at
+        while True:
+            if self.in_string:  # stop at the closing quote, or where the text ends (a lone "\\" waits for more)
+                j = _STRING_BODY.match(text, j).end()
+                if j == len(text) or text[j] != '"':
+                    self.at = j
+                    return OPEN
+                self.in_string, j = False, j + 1
+                continue
+            m = _BRACKET_OR_QUOTE.search(text, j)
+            if m is None:
+                self.at = len(text)
+                return OPEN
+            j = m.end()
+            c = m.group()
+            if c == '"':
                 self.in_string = True
-            elif c in "{[":
-                self.depth += 1
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.at = j + 1
-                    return j + 1
-        self.at = len(text)
-        return OPEN
+                continue
+            self.depth += 1 if c in "{[" else -1
+            if self.depth == 0:
+                self.at = j
+                return j
