@@ -42,6 +42,8 @@ class EngineConfig:
     ``native_decode_step`` runs the decode rows of a model whose layers all fit its form (pre norms, W8A8 linears,
     a KV cache in the compute dtype: runtime/kernels/native_step.py) in one native call per step; False, or a model
     it refuses, keeps one call per op.
+    ``huge_pages`` holds the packed W8A8 weights on CPU in transparent huge pages where Linux offers them
+    (runtime/hugepages.py): the same bytes, streamed faster at batch-1 decode; False leaves them where they were made.
     ``kv_cache_dtype``: ``"auto"`` stores K and V in the compute dtype; ``"int8"`` / ``"fp8_e4m3"`` (where this
     torch has ``float8_e4m3fn``) store 8-bit codes with an fp16 scale per token and KV head, about twice the
     tokens in the same ``kv_cache_memory`` as a 16-bit cache (runtime/kernels/kv_quant.py).
@@ -72,6 +74,7 @@ class EngineConfig:
     lm_head: str = "auto"
     fused_cpu_kernels: bool = True
     native_decode_step: bool = True
+    huge_pages: bool = True
     kv_cache_dtype: str = "auto"
     model_impl: str = "auto"
     trust_remote_code: bool = False

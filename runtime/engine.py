@@ -92,7 +92,7 @@ class Engine:
                                self.max_model_len + c.lookahead + 1, decode_q_len=1 + c.lookahead,
                                fused_cpu=c.fused_cpu_kernels, lm_head=c.lm_head, kv_cache_dtype=c.kv_cache_dtype,
                                model_impl=c.model_impl, trust_remote_code=c.trust_remote_code,
-                               native_step=c.native_decode_step)
+                               native_step=c.native_decode_step, huge_pages=c.huge_pages)
 
         self.runner = runner(ckpt)
         draft_runner = runner(dckpt) if dckpt else None

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from compress.format.host import trim
+from runtime import hugepages
 from runtime.kernels import lm_head as heads
 from runtime.kernels import native_step as native
 from runtime.kernels import qmatmul
@@ -68,7 +69,7 @@ class ModelRunner:
     def __init__(self, ckpt: Checkpoint, num_blocks: int, block_size: int, dtype: str, device: str,
                  quant_kernel: str, max_positions: int, decode_q_len: int = 1, fused_cpu: bool = True,
                  lm_head: str = "fp", kv_cache_dtype: str = "auto", model_impl: str = "auto",
-                 trust_remote_code: bool = False, native_step: bool = True):
+                 trust_remote_code: bool = False, native_step: bool = True, huge_pages: bool = True):
         self.dtype, self.device = DTYPES[dtype], torch.device(device)
         self.block_size, self.num_blocks, self.decode_q_len = block_size, num_blocks, decode_q_len
         self.model = build_model(ckpt, self.dtype, max_positions, model_impl, trust_remote_code)
@@ -86,6 +87,9 @@ class ModelRunner:
         self.num_prepacked = 0
         if self.device.type == "cpu" and not lean:
             self.num_prepacked = qmatmul.pack_dense_linears(self.model, self.dtype, fused)
+        if self.device.type == "cpu" and huge_pages and (moved := hugepages.move_weights(self.model)):
+            trim()  # the 4 KiB-page buffers they left
+            log.info("packed weights in transparent huge pages: %.1f MiB", moved / 2**20)
         self.model.to(self.device)
         self._allocate_kv(kv_cache_dtype)
         self.model.set_ops(self.ops)

@@ -59,8 +59,34 @@ def held_storages(module: nn.Module, exclude: Iterable[Tensor] = ()) -> dict:
     return out
 
 
+def _span(t: Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``t`` covers, [start, end): from its first element to its last, whatever its
+    strides (an opaque tensor: all of it)."""
+    if t.is_mkldnn or t.layout != torch.strided:
+        return 0, t.numel() * t.element_size()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
+    start = t.storage_offset() * t.element_size()
+    return start, start + (last + 1) * t.element_size()
+
+
+def _union(spans: Iterable[tuple[int, int]]) -> int:
+    """Bytes the union of [start, end) spans covers."""
+    total, reach = 0, 0
+    for a, b in sorted(spans):
+        a = max(a, reach)
+        if b > a:
+            total, reach = total + b - a, b
+    return total
+
+
+def _covered(span: tuple[int, int], spans: Iterable[tuple[int, int]]) -> bool:
+    return any(a <= span[0] and span[1] <= b for a, b in spans)
+
+
 class _Reads(TorchDispatchMode):
-    """Records, per held storage, the largest view of it an op read in full, and the rows gathered from it."""
+    """Records, per held storage, the spans of it ops read in full, and the rows gathered from each table. Storages
+    are told apart by address and the spans within one by offset: one storage may hold many weights (the packed
+    linears in one huge-page arena: runtime/hugepages.py)."""
 
     def __init__(self, held: dict):
         super().__init__()
@@ -76,9 +102,10 @@ class _Reads(TorchDispatchMode):
             if p not in self.held:
                 continue
             if func in GATHERS and i == 0:
-                self.gathered[p] = self.gathered.get(p, 0) + out.numel() * out.element_size()
+                key = (p, _span(t))
+                self.gathered[key] = self.gathered.get(key, 0) + out.numel() * out.element_size()
             else:
-                self.full[p] = max(self.full.get(p, 0), min(t.numel() * t.element_size(), self.held[p]))
+                self.full.setdefault(p, set()).add(_span(t))
         return out
 
 
@@ -87,8 +114,10 @@ def trace_reads(module: nn.Module, step: Callable[[], object], exclude: Iterable
     held = held_storages(module, exclude)
     with _Reads(held) as r:
         step()
-    gathered = sum(b for p, b in r.gathered.items() if p not in r.full)  # a table also read in full counts once
-    return StepReads(sum(r.full.values()), gathered, len(r.full.keys() | r.gathered.keys()))
+    full = {p: min(_union(spans), held[p]) for p, spans in r.full.items()}
+    # a table also read in full counts once
+    gathered = sum(b for (p, span), b in r.gathered.items() if not _covered(span, r.full.get(p, ())))
+    return StepReads(sum(full.values()), gathered, len(full.keys() | {p for p, _ in r.gathered}))
 
 
 def decode_step_reads(engine, sampling_cls, prompt: list[int]) -> StepReads:

@@ -188,11 +188,20 @@ class W8A8Linear(nn.Module):
         self.unscale = half.unscale
         self.bias = None if ql.bias is None else ql.bias.detach().float()
         self.direct = perm is None and not self.k_pad and self.bias is None  # the decode step's case
+        self._op = torch.ops.compress_cpu.w8a8_linear.default
+        self.rebind(self.weight, self.scale, self.szero)
+
+    def packed(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The buffers the kernel streams: tiles, scales, scaled zeros."""
+        return self.weight, self.scale, self.szero
+
+    def rebind(self, weight: Tensor, scale: Tensor, szero: Tensor) -> None:
+        """Run from these buffers (the same values, held elsewhere: runtime/hugepages.py)."""
+        self.weight, self.scale, self.szero = weight, scale, szero
         # the op's arguments after x, as a plain attribute: buffer lookups through nn.Module cost ~1 us each,
         # a noticeable share of a ~15 us call
         self._args = (self.weight, self.scale, self.szero, self.unscale, self.bits, self.group, self.out_features,
                       self.lut)
-        self._op = torch.ops.compress_cpu.w8a8_linear.default
 
     def forward(self, x: Tensor) -> Tensor:
         if self.direct and x.dim() == 2:

@@ -130,10 +130,14 @@ def format_table(rows: list[Row]) -> str:
 
 def sum_rate(nbytes: int, tries: int = 5, loops: int = 1) -> float:
     """Bytes/s of torch sums (current threads) over a float32 buffer of ``nbytes``, written first so its pages exist:
-    the best of ``tries`` timings of ``loops`` sums each."""
+    the best of ``tries`` timings of ``loops`` sums each. The buffer lies in transparent huge pages where Linux offers
+    them, as the engine holds its packed weights (runtime/hugepages.py): through 4 KiB pages the same sum streams
+    slower, which would understate what the machine reads."""
     import torch
 
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    from runtime.hugepages import arena
+
+    buf = arena(nbytes // 4 * 4).view(torch.float32).fill_(1.0)
     best = math.inf
     for _ in range(tries):
         t0 = time.perf_counter()

@@ -36,6 +36,21 @@ def test_trace_counts_each_weight_once_and_gathers_as_rows():
     assert isinstance(r, StepReads)
 
 
+def test_weights_sharing_one_storage_count_each_span_once():
+    """Weights laid out in one arena (runtime/hugepages.py): each read span counts, overlapping reads once."""
+    arena = torch.randn(1000)
+    a, b = arena[:256].view(16, 16), arena[512:768].view(16, 16)
+    with torch.inference_mode():
+        r = trace_reads(nn.Module(), lambda: None)
+        assert r.full == 0
+        holder = nn.Module()
+        holder.args = (a, b, arena[:128])
+        x = torch.randn(1, 16)
+        r = trace_reads(holder, lambda: (x @ a, x @ b, x @ a.T, arena[:128].sum()))
+    assert r.full == 2 * 256 * 4  # a (twice, and its first half again) and b; not the 1000-value arena
+    assert r.tensors == 1
+
+
 def test_held_storages_sees_attributes_and_drops_exclusions():
     m = Toy()
     held = held_storages(m, exclude=[m.cache])
