@@ -24,6 +24,19 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _model_numel(model: nn.Module) -> int:
+    """The model's parameters, a tied head counted once: a meta skeleton (compress/stream.py) does not share the
+    table's tensor between the embedding and the head, so its parameters count it twice (0.87 GiB of fp32 on a
+    151,936 x 1,536 table)."""
+    from compress.stream import tied
+
+    n = _numel(model)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if tied(model) and head is not None and embed is not None and head.weight is not embed.weight:
+        n -= head.weight.numel()
+    return n
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     weights: int  # fp32 weights resident at once
@@ -88,7 +101,7 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
     outer = outer_bytes(model, cfg, streamed)
     if streamed:  # one fp32 block, its stored copy while loading, the packed result
         return MemoryPlan(2 * block, activations, statistics, outer=outer)
-    whole = _numel(model) * 4
+    whole = _model_numel(model) * 4
     training, teacher = 0, 0
     if cfg.method == "qat" or cfg.uptrain_steps or cfg.kv_fit_steps:
         # gradients + Adam's two moments, and one step's graph; the fp teacher

@@ -67,3 +67,18 @@ def test_the_estimate_bounds_the_peak_on_a_large_vocabulary(tmp_path, smol_token
     grown = peak_rss() - before
     estimate = plan(skeleton(src), cfg, stream).peak - BASE_BYTES  # the process itself is already resident here
     assert grown <= estimate, (grown / 2**20, estimate / 2**20)
+
+
+def test_a_tied_table_counts_once_in_the_whole_model(tmp_path):
+    """A meta skeleton does not share the tied table between embedding and head: the estimate counts it once."""
+    from compress.calibrate import decoder_layers
+    from compress.stream import skeleton
+
+    model = tiny_model("llama", vocab=4096)
+    model.config.tie_word_embeddings = True
+    model.save_pretrained(tmp_path)
+    skel = skeleton(tmp_path)
+    assert skel.lm_head.weight is not skel.model.embed_tokens.weight  # what the estimate has to see through
+    own = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("lm_head"))
+    block = max(sum(p.numel() for p in b.parameters()) for b in decoder_layers(skel)) * 4
+    assert plan(skel, QuantizeConfig(), streamed=False).weights == own * 4 + block
