@@ -41,17 +41,19 @@ def thp_mode(path: Path = THP_ENABLED) -> str:
     return text[start + 1:end] if 0 <= start < end else ""
 
 
-def arena(nbytes: int) -> Tensor:
-    """An untouched uint8 tensor of ``nbytes`` in its own anonymous mapping, advised for huge pages where the kernel
-    takes the advice (its pages are allocated as they are first written, in 2 MiB pages where it can). The tensor
-    keeps the mapping alive."""
+def arena(nbytes: int, huge: bool = True) -> Tensor:
+    """A zeroed uint8 tensor of ``nbytes`` in its own anonymous private mapping, whose pages the OS commits as they are
+    first written; ``huge``: advised for huge pages where the kernel takes the advice (2 MiB pages as they are first
+    written). The tensor keeps the mapping alive. Without ``mmap``'s anonymous maps (not POSIX): ``torch.zeros``."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(nbytes, dtype=torch.uint8)
     buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)
         except OSError as e:  # EINVAL where the kernel was built without them: ordinary pages, same bytes
             log.debug("madvise(MADV_HUGEPAGE) refused: %s", e)
-    return torch.frombuffer(buf, dtype=torch.uint8)
+    return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes]
 
 
 def _span(t: Tensor) -> int:

@@ -54,13 +54,11 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     the kernel) on CPU: a KV pool sized for the worst case costs resident memory only for the blocks a workload
     has written, not ``kv_cache_memory`` at startup. Elsewhere (CUDA, no ``mmap``), plain ``torch.zeros``."""
     import math
-    import mmap
 
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    if device.type != "cpu" or not nbytes or not hasattr(mmap, "MAP_ANONYMOUS"):
+    if device.type != "cpu" or not nbytes:
         return torch.zeros(shape, dtype=dtype, device=device)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps ``buf`` alive
+    return hugepages.arena(nbytes, huge=False).view(dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 class ModelRunner:
