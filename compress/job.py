@@ -215,14 +215,14 @@ def _in_memory(model_spec, src, cfg, out, overwrite, recipe, progress, trust_rem
     from compress.format.models import load_model
     from compress.format.shards import ShardReader
     from compress.methods.embed_head import quantize_outer
-    from compress.stream import outer_dtypes, skeleton, tied
+    from compress.stream import blocks_bfloat16, outer_dtypes, skeleton, tied
 
     estimate, dtypes, offloaded = None, None, bool(offload)
     if not src.gguf_file and not src.quantized and any(src.path.glob("*.safetensors")):
-        skel = skeleton(src.path, trust_remote_code)
-        estimate, offloaded = plan_offload(skel, cfg, False, max_memory, offload)
+        skel, reader = skeleton(src.path, trust_remote_code), ShardReader(src.path)
+        estimate, offloaded = plan_offload(skel, cfg, False, max_memory, offload, blocks_bfloat16(skel, reader))
         check(estimate, max_memory, f"{cfg.method} on {src.name} (the whole model in memory)")
-        dtypes = outer_dtypes(skel, ShardReader(src.path))
+        dtypes = outer_dtypes(skel, reader)
     model, tokenizer, src = load_model(model_spec, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     if src.gguf_file:  # loaded from its fp32 cache: the tensors outside the blocks go back to 16 bits
         from compress.format.models import gguf_cache

@@ -44,6 +44,7 @@ class MemoryPlan:
     statistics: int
     training: int = 0  # gradients, optimizer state and one step's graph, for QAT / uptraining
     gradients: int = 0  # guided GPTQ's backward pass over one sequence: freed before the blocks' activations exist
+    halved: int = 0  # what the pass saves of ``weights``: bfloat16-exact linear weights held as bfloat16 meanwhile
     teacher: int = 0  # QAT's fp teacher, held from before the PTQ start to the end of training
     phased: bool = False  # QAT: the PTQ start's activations, statistics and gradients are freed before training
     outer: int = 0  # the embedding and head's reads, codes and temporaries, and the tokenizer (:func:`outer_bytes`)
@@ -51,7 +52,7 @@ class MemoryPlan:
     @property
     def ptq(self) -> int:
         """The calibration's own peak: the gradient pass, then the blocks' activations and statistics."""
-        return max(self.gradients, self.activations + self.statistics)
+        return max(self.gradients - self.halved, self.activations + self.statistics)
 
     @property
     def peak(self) -> int:
@@ -60,19 +61,22 @@ class MemoryPlan:
         return BASE_BYTES + self.weights + self.teacher + work + self.outer
 
     def describe(self) -> str:
+        grads = f"gradient pass {gib(self.gradients)}" + (f" less {gib(self.halved)} of weights in bfloat16"
+                                                         if self.halved else "")
         parts = [f"weights {gib(self.weights)}", f"activations {gib(self.activations)}",
-                 f"statistics {gib(self.statistics)}"] + ([f"gradient pass {gib(self.gradients)}"] if self.gradients
-                                                          else []) \
+                 f"statistics {gib(self.statistics)}"] + ([grads] if self.gradients else []) \
             + ([f"{'then ' if self.phased else ''}training {gib(self.training)}"] if self.training else []) \
             + ([f"teacher {gib(self.teacher)}"] if self.teacher else []) \
             + ([f"embedding and head {gib(self.outer)}"] if self.outer else [])
         return f"about {gib(self.peak)} ({', '.join(parts)}, process {gib(BASE_BYTES)})"
 
 
-def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> MemoryPlan:
+def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False, bf16_blocks: bool = False) -> MemoryPlan:
     """The estimate for quantizing ``model`` (a meta skeleton is enough) with ``cfg`` (``offload``: the calibration
-    activations on disk, one batch in memory at a time)."""
+    activations on disk, one batch in memory at a time; ``bf16_blocks``: the source stores the decoder blocks' weights
+    in bfloat16, which guided GPTQ's gradient pass holds as such)."""
     from compress.calibrate import decoder_layers
+    from compress.methods.common.guided import quantized_linears
 
     layers = decoder_layers(model)
     block = max(_numel(b) for b in layers) * 4
@@ -106,11 +110,13 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False) -> Memory
     if cfg.method == "qat" or cfg.uptrain_steps or cfg.kv_fit_steps:
         # gradients + Adam's two moments, and one step's graph; the fp teacher
         training, teacher = 3 * whole + _train_graph(cfg, len(layers), hidden, widest, text.vocab_size), whole
-    gradients = 0
+    gradients = halved = 0
     if cfg.gptq_rounding and cfg.gptq.guided:  # methods/common/guided.py: one sequence's graph, the blocks checkpointed
         gradients = _gradient_graph(cfg.seqlen, len(layers), hidden, widest, block, text.vocab_size)
+        if bf16_blocks:  # guided.bfloat16_weights: the quantized linears' fp32 weights held as bfloat16 for the pass
+            halved = 2 * sum(m.weight.numel() for m in quantized_linears(model, cfg.ignore).values())
     phased = cfg.method == "qat" and cfg.qat.init != "rtn"  # compress/methods/qat.py: init_ptq returns, then training
-    return MemoryPlan(whole + block, activations, statistics, training, gradients, teacher, phased, outer)
+    return MemoryPlan(whole + block, activations, statistics, training, gradients, halved, teacher, phased, outer)
 
 
 def _gradient_graph(seqlen: int, n_layers: int, hidden: int, widest: int, block: int, vocab: int) -> int:
@@ -163,12 +169,12 @@ def fits(p: MemoryPlan, max_memory: int | None) -> bool:
 
 
 def plan_offload(model: nn.Module, cfg, streamed: bool, max_memory: int | None,
-                 offload: bool | None) -> tuple[MemoryPlan, bool]:
+                 offload: bool | None, bf16_blocks: bool = False) -> tuple[MemoryPlan, bool]:
     """The estimate, and whether the calibration activations go to disk: as ``offload`` says, or (None) exactly
     when the run fits only with them there."""
     if not cfg.needs_calibration or cfg.method == "qat":  # QAT trains on token batches, not stored activations
-        return plan(model, cfg, streamed), False
-    held, on_disk = plan(model, cfg, streamed), plan(model, cfg, streamed, offload=True)
+        return plan(model, cfg, streamed, bf16_blocks=bf16_blocks), False
+    held, on_disk = (plan(model, cfg, streamed, offload=o, bf16_blocks=bf16_blocks) for o in (False, True))
     if offload is None:
         offload = not fits(held, max_memory) and fits(on_disk, max_memory)
     return (on_disk if offload else held), offload

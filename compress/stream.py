@@ -238,6 +238,15 @@ def outer_dtypes(model: nn.Module, reader: ShardReader, gguf: bool = False) -> d
             if not k.startswith(prefix) and e.dtype.is_floating_point}
 
 
+def blocks_bfloat16(model: nn.Module, reader: ShardReader) -> bool:
+    """Whether the source stores every floating tensor of the decoder blocks in bfloat16 (what guided GPTQ's gradient
+    pass then holds as bfloat16: compress/memory.py)."""
+    prefix = f"{layers_prefix(model)}."
+    names = model_names(model, reader.entries)
+    floats = [e.dtype for k, e in reader.entries.items() if names[k].startswith(prefix) and e.dtype.is_floating_point]
+    return bool(floats) and all(d == torch.bfloat16 for d in floats)
+
+
 def write_side_files(model: nn.Module, src_folder: Path, tokenizer, out: Path, quantization_config: dict) -> None:
     """config.json (with the quantization config), generation_config.json and the tokenizer."""
     cfg = model.config.to_dict()

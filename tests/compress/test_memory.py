@@ -28,6 +28,22 @@ def test_qat_from_gptq_peaks_at_the_larger_phase_not_their_sum():
     assert p.peak < BASE_BYTES + p.weights + p.teacher + p.ptq + p.training + p.outer
 
 
+def test_the_gradient_pass_holds_bfloat16_sources_linears_at_half_their_fp32_bytes(tmp_path):
+    from compress.format.shards import ShardReader
+    from compress.stream import blocks_bfloat16, skeleton
+
+    fields = dict(method="gptq", act_order=True, static_groups=True, guided=True, nsamples=64, seqlen=64)
+    model = tiny_model("llama")
+    fp32, bf16 = (plan(model, QuantizeConfig.from_flat(**fields), streamed=False, bf16_blocks=b) for b in (False, True))
+    linears = sum(m.weight.numel() for b in model.model.layers for m in b.modules() if isinstance(m, torch.nn.Linear))
+    assert fp32.halved == 0 and bf16.halved == 2 * linears
+    assert bf16.ptq == max(bf16.gradients - bf16.halved, bf16.activations + bf16.statistics) <= fp32.ptq
+    assert plan(model, QuantizeConfig.from_flat(method="gptq"), streamed=False, bf16_blocks=True).halved == 0
+    model.save_pretrained(tmp_path / "fp32")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert [blocks_bfloat16(skeleton(tmp_path / d), ShardReader(tmp_path / d)) for d in ("fp32", "bf16")] == [0, 1]
+
+
 def test_training_graph_grows_with_the_batch_and_the_autocast_width():
     small = _plan(method="qat", batch_size=2, train_dtype="bfloat16")
     assert _plan(method="qat", batch_size=4, train_dtype="bfloat16").training > small.training
@@ -47,7 +63,8 @@ def test_the_estimate_bounds_the_peak_on_a_large_vocabulary(tmp_path, smol_token
                                                             embed):
     from compress.config import load_recipe
     from compress.job import peak_rss, quantize_to_folder
-    from compress.stream import skeleton
+    from compress.format.shards import ShardReader
+    from compress.stream import blocks_bfloat16, skeleton
     from peak import reset_peak
 
     def save(name, **kw):
@@ -65,7 +82,9 @@ def test_the_estimate_bounds_the_peak_on_a_large_vocabulary(tmp_path, smol_token
         pytest.skip("needs /proc/self/clear_refs to measure the peak")
     quantize_to_folder(str(src), cfg, str(tmp_path / "o"), stream=stream)
     grown = peak_rss() - before
-    estimate = plan(skeleton(src), cfg, stream).peak - BASE_BYTES  # the process itself is already resident here
+    skel = skeleton(src)
+    assert blocks_bfloat16(skel, ShardReader(src))  # the gradient pass holds the linears as bfloat16: counted so
+    estimate = plan(skel, cfg, stream, bf16_blocks=True).peak - BASE_BYTES  # the process is already resident here
     assert grown <= estimate, (grown / 2**20, estimate / 2**20)
 
 
