@@ -23,6 +23,7 @@ KV_INITS = ("mean", "pca")  # compress/transforms/gqa.py
 UPTRAIN_SCOPES = ("blocks", "attn")  # what uptraining moves (compress/transforms/gqa.py)
 ROTATIONS = ("none", "hadamard")  # compress/transforms/rotate.py
 OUTER_CHOICES = ("none", "int8", "int4")  # the embedding's and the head's codes (compress/methods/embed_head.py)
+DAMP_REFS = ("mean", "median")  # what GPTQ's damp is a fraction of: the Hessian diagonal's mean or median
 HEAD_METHODS = ("rtn", "gptq")  # a quantized head's rounding (compress/methods/head_gptq.py)
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -37,7 +38,9 @@ def _at_least_one(group, names: tuple[str, ...]) -> None:
 class GPTQOptions:
     """GPTQ's rounding (method gptq, and awq with ``rounding: gptq``)."""
 
-    damp: float = 0.01  # Hessian damping, as a fraction of its mean diagonal
+    damp: float = 0.01  # Hessian damping, as a fraction of its mean (or median: damp_of) diagonal
+    # the median is not moved by a few outlier input channels (massive activations), whose size differs by family
+    damp_of: str = "mean"
     block_size: int = 128  # columns per lazy batch update (speed only)
     act_order: bool = False
     static_groups: bool = False
@@ -55,6 +58,8 @@ class GPTQOptions:
     def __post_init__(self):
         if not 0 < self.damp < 1:
             raise ValueError(f"damp={self.damp} must be in (0, 1), e.g. 0.01")
+        if self.damp_of not in DAMP_REFS:
+            raise ValueError(f"damp_of={self.damp_of!r}: choose one of {', '.join(DAMP_REFS)}")
         _at_least_one(self, ("block_size",))
         if self.mse_coarse < 0 or (self.mse_coarse and not self.mse):
             raise ValueError(f"mse_coarse={self.mse_coarse} thins the mse grid: set mse: true too, and 0 or a step "

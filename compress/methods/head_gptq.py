@@ -56,8 +56,8 @@ class HeadResult:
 def quantize_head(w: Tensor, hessians: HeadHessians, scheme: Scheme, opts: GPTQOptions = GPTQOptions()) -> HeadResult:
     """GPTQ of the head ``w: [vocab, hidden]`` against ``hessians.fit`` (natural column order: a table's groups are
     consecutive columns); RTN's codes instead where they are strictly better on ``hessians.held``."""
-    res = gptq_solver.quantize_weight(w, hessians.fit, scheme, GPTQOptions(damp=opts.damp, block_size=opts.block_size,
-                                                                      mse=opts.mse))
+    res = gptq_solver.quantize_weight(w, hessians.fit, scheme, GPTQOptions(damp=opts.damp, damp_of=opts.damp_of,
+                                                                      block_size=opts.block_size, mse=opts.mse))
     if hessians.held is None:
         return HeadResult(res.weight, res.loss)
     plain = quantize_weight(w.float(), scheme)

@@ -98,7 +98,8 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, opts: GPTQOptions = GP
     else:
         H = H.float().clone()
     H[dead, dead] = 1
-    H.diagonal().add_(opts.damp * H.diagonal().mean())
+    ref = H.diagonal().median() if opts.damp_of == "median" else H.diagonal().mean()  # (no view of H outlives it)
+    H.diagonal().add_(opts.damp * ref)
     H = torch.linalg.cholesky(H)
     H = torch.cholesky_inverse(H)
     Hinv = torch.linalg.cholesky(H, upper=True)  # the reference's Hinv: upper Cholesky factor of H^-1
