@@ -82,8 +82,8 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
     "train_dtype": {m: "only training reads it (qat, and GQA uptraining: pipeline-level)" for m in PTQ},
     "calib_dtype": {m: "data-free: no block forwards" for m in DATA_FREE},
     "weighted_range": {m: REFUSED for m in DATA_FREE},
-    "damp": {m: "GPTQ's rounding only" for m in (*DATA_FREE, "qat")},
-    **{f: {m: REFUSED for m in (*DATA_FREE, "qat")} for f in GPTQ - {"damp", "sequential"}},
+    **{f: {m: "GPTQ's rounding only" for m in (*DATA_FREE, "qat")} for f in ("damp", "damp_of")},
+    **{f: {m: REFUSED for m in (*DATA_FREE, "qat")} for f in GPTQ - {"damp", "damp_of", "sequential"}},
     "sequential": {m: REFUSED for m in (*DATA_FREE, "qat", "awq")},
     "refit": {m: REFUSED for m in (*DATA_FREE, "qat", "awq")},
     **{f: {m: "AWQ's searches only" for m in ("rtn", "nf4", "gptq")} for f in AWQ - {"rounding"}},
@@ -100,7 +100,7 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
 }
 CHANGE = {
     "bits": 3, "group_size": 16, "sym": True, "seed": 1, "batch_size": 4, "calib_dtype": "bfloat16",
-    "damp": 0.5, "act_order": True, "static_groups": True, "mse": True, "mse_coarse": 4, "bf16_gram": True,
+    "damp": 0.5, "damp_of": "median", "act_order": True, "static_groups": True, "mse": True, "mse_coarse": 4, "bf16_gram": True,
     "guided": True, "guided_mix": 0.5,
     "guided_nsamples": 2,
     "sequential": False,
