@@ -54,6 +54,10 @@ class GPTQOptions:
     guided_nsamples: int = 0  # calibration sequences the gradient pass covers (0: all)
     sequential: bool = True  # False: each block's Hessians on the fp model's activations (one forward per block)
     refit: bool = False  # a layer that keeps GPTQ over RTN is solved again with the held-out windows too
+    # after GPTQ, sweeps of coordinate descent over the codes (CDQuant): each moves to the grid point that minimises
+    # the layer's (damped) quadratic error with the others fixed; scales and zeros unchanged
+    # (methods/common/coordinate_descent.py). 0: off
+    cd_passes: int = 0
 
     def __post_init__(self):
         if not 0 < self.damp < 1:
@@ -61,6 +65,8 @@ class GPTQOptions:
         if self.damp_of not in DAMP_REFS:
             raise ValueError(f"damp_of={self.damp_of!r}: choose one of {', '.join(DAMP_REFS)}")
         _at_least_one(self, ("block_size",))
+        if self.cd_passes < 0:
+            raise ValueError(f"cd_passes={self.cd_passes} must be 0 (off) or the sweeps to run, e.g. 5")
         if self.mse_coarse < 0 or (self.mse_coarse and not self.mse):
             raise ValueError(f"mse_coarse={self.mse_coarse} thins the mse grid: set mse: true too, and 0 or a step "
                              "count >= 1 (e.g. 4)")
@@ -204,6 +210,9 @@ class QuantizeConfig:
             if getattr(self.gptq, name) and not self.gptq_rounding:
                 raise ValueError(f"{name} applies to method gptq (or awq with rounding: gptq, qat with init: gptq) "
                                  f"only, not {self.method!r}")
+        if self.gptq.cd_passes and (not self.gptq_rounding or self.method == "qat"):
+            raise ValueError(f"cd_passes applies to method gptq (or awq with rounding: gptq) only, not {self.method!r}: "
+                             "it moves GPTQ's codes, and qat with init: gptq starts from the weights before rounding")
         gptq_runs = self.method == "gptq" or (self.method == "qat" and self.qat.init == "gptq")
         if self.gptq.refit and (self.method != "gptq" or not self.fallback):
             raise ValueError(f"refit applies to method gptq with fallback: true only (it solves a layer kept over RTN "

@@ -94,8 +94,13 @@ def plan(model: nn.Module, cfg, streamed: bool, offload: bool = False, bf16_bloc
     statistics = 0
     if cfg.gptq_rounding:
         # one block's Hessians (one per linear: shared ones counted as many), then GPTQ's working copy of the widest
-        # and the next factor made from it (compress/methods/gptq.py)
-        statistics = sum(m.in_features ** 2 for m in linears) * 4 + (2 + cfg.gptq.refit) * widest ** 2 * 4
+        # and the next factor made from it (compress/methods/gptq.py); coordinate descent keeps a third, the damped
+        # Hessian, and four weight-sized fp32 tensors: its target, result, E H and a gathered scale or zero
+        # (methods/common/coordinate_descent.py)
+        cd = cfg.gptq.cd_passes > 0
+        largest = max((m.in_features * m.out_features for m in linears), default=0)
+        statistics = (sum(m.in_features ** 2 for m in linears) * 4 + (2 + cfg.gptq.refit + cd) * widest ** 2 * 4
+                      + cd * 4 * largest * 4)
         if cfg.gptq.guided:  # the gradient pass's token weights: one float per token and linear, kept to the end
             statistics += len(linears) * len(layers) * cfg.nsamples * cfg.seqlen * 4
         # a batch's intermediates at the MLP's width, where they outgrow a third set of hidden states

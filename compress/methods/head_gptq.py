@@ -55,7 +55,9 @@ class HeadResult:
 
 def quantize_head(w: Tensor, hessians: HeadHessians, scheme: Scheme, opts: GPTQOptions = GPTQOptions()) -> HeadResult:
     """GPTQ of the head ``w: [vocab, hidden]`` against ``hessians.fit`` (natural column order: a table's groups are
-    consecutive columns); RTN's codes instead where they are strictly better on ``hessians.held``."""
+    consecutive columns); RTN's codes instead where they are strictly better on ``hessians.held``. Without the
+    recipe's act-order and coordinate descent (``cd_passes``: its four vocabulary-sized fp32 copies are not in the
+    head's memory estimate, and it is not measured on a head)."""
     res = gptq_solver.quantize_weight(w, hessians.fit, scheme, GPTQOptions(damp=opts.damp, damp_of=opts.damp_of,
                                                                       block_size=opts.block_size, mse=opts.mse))
     if hessians.held is None:

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
 SOURCES = tuple(SOURCE_DIR / f for f in ("fused_ops.cpp", "decode_attention.cpp", "qgemv.cpp", "fp_gemv.cpp",
-                                          "tile_dequant.cpp", "decode_step.cpp", "gram.cpp"))
+                                          "tile_dequant.cpp", "decode_step.cpp", "gram.cpp",
+                                          "cd.cpp"))
 HEADERS = tuple(SOURCE_DIR / f for f in ("common.h", "qgemv.h", "fused_rows.h", "paged_attention.h"))
 # -ffp-contract=off: no fused multiply-adds the torch reference does not make; -fno-math-errno and
 # -fno-trapping-math let the exp/min/max/floor loops vectorize (no result changes for finite inputs)

@@ -17,6 +17,8 @@ def test_awq_rounding_by_gptq_takes_the_gptq_fields():
     (dict(method="rtn", weighted_range=True), "weighted_range needs calibration statistics"),
     (dict(method="gptq", mse=True, weighted_range=True), "weighted_range and mse both pick gptq's grid"),
     (dict(method="qat", weighted_range=True), "applies to qat's AWQ or GPTQ init only"),
+    (dict(method="qat", init="gptq", cd_passes=2), "starts from the weights before rounding"),
+    (dict(method="awq", cd_passes=2), "cd_passes applies to method gptq"),
 ])
 def test_bad_fields_name_the_value(bad, match):
     with pytest.raises(ValueError, match=match):

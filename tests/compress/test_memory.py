@@ -28,6 +28,17 @@ def test_qat_from_gptq_peaks_at_the_larger_phase_not_their_sum():
     assert p.peak < BASE_BYTES + p.weights + p.teacher + p.ptq + p.training + p.outer
 
 
+def test_coordinate_descent_counts_a_third_hessian_and_four_weight_sized_tensors():
+    """methods/common/coordinate_descent.py keeps the damped Hessian of the widest input beside GPTQ's two, and its
+    target, result, E H and a gathered scale or zero the size of the largest weight."""
+    linears = [m for m in tiny_model("llama").model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    widest = max(m.in_features for m in linears)
+    largest = max(m.in_features * m.out_features for m in linears)
+    plain, cd = (_plan(method="gptq", act_order=True, static_groups=True, cd_passes=n, nsamples=8, seqlen=64)
+                 for n in (0, 3))
+    assert cd.statistics - plain.statistics == 4 * widest ** 2 + 4 * 4 * largest
+
+
 def test_the_gradient_pass_holds_bfloat16_sources_linears_at_half_their_fp32_bytes(tmp_path):
     from compress.format.shards import ShardReader
     from compress.stream import blocks_bfloat16, skeleton

@@ -101,7 +101,7 @@ NOT_READ = {  # field -> {method: why it does not apply, or REFUSED}
 CHANGE = {
     "bits": 3, "group_size": 16, "sym": True, "seed": 1, "batch_size": 4, "calib_dtype": "bfloat16",
     "damp": 0.5, "damp_of": "median", "act_order": True, "static_groups": True, "mse": True, "mse_coarse": 4, "bf16_gram": True,
-    "guided": True, "guided_mix": 0.5,
+    "guided": True, "guided_mix": 0.5, "cd_passes": 2,
     "guided_nsamples": 2,
     "sequential": False,
     "weighted_range": True,

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from compress.calibrate import BlockInputs
 from compress.config import GPTQOptions
 from compress.format.quant import QuantizedWeight, Scheme, find_params, mse_params, weighted_range_params
-from compress.methods.common import fallback
+from compress.methods.common import coordinate_descent, fallback
 from compress.methods.common.hessian import Hessian, InputOwners
 
 GroupParams = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]  # (w [out, k], H diagonal [k])
@@ -100,12 +100,22 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, opts: GPTQOptions = GP
     H[dead, dead] = 1
     ref = H.diagonal().median() if opts.damp_of == "median" else H.diagonal().mean()  # (no view of H outlives it)
     H.diagonal().add_(opts.damp * ref)
+    target = (W.clone(), H.clone()) if opts.cd_passes else None  # what coordinate descent refines against
     H = torch.linalg.cholesky(H)
     H = torch.cholesky_inverse(H)
     Hinv = torch.linalg.cholesky(H, upper=True)  # the reference's Hinv: upper Cholesky factor of H^-1
     del H
     latent = torch.empty_like(W) if keep_latent else None
     Q, scales, zeros, loss = _quantize_columns(W, Hinv, hdiag, scheme, opts.block_size, params, static, perm, latent)
+    del Hinv
+    if static is not None:
+        scales = torch.stack([s for s, _ in static], dim=1)
+        zeros = None if zeros is None else torch.stack([z for _, z in static], dim=1)
+    if target is not None:  # each column's group, in the order the columns are in now
+        group = (perm if perm is not None and static is not None else torch.arange(in_f)) // g
+        _, f = coordinate_descent.refine(*target, Q, scales, zeros, group, scheme.maxq, scheme.sym_zero,
+                                         opts.cd_passes)
+        loss = torch.tensor(f / 2)  # GPTQ's loss is half the same quadratic error
     res = _result(Q, scales, zeros, loss, scheme, static, perm)
     if latent is not None:
         res.latent = latent if perm is None else latent[:, torch.argsort(perm)]
@@ -159,13 +169,9 @@ def _quantize_columns(W: Tensor, Hinv: Tensor, hdiag: Tensor, scheme: Scheme, bl
 
 def _result(Q: Tensor, scales: Tensor, zeros: Tensor | None, loss: Tensor, scheme: Scheme, static: list | None,
             perm: Tensor | None) -> GPTQResult:
-    """Static groups' qparams, the codes back in natural column order, and each column's group under act-order."""
+    """The codes back in natural column order, and each column's group under act-order."""
     in_f = Q.shape[1]
     g_idx = None
-    if static is not None:
-        scales = torch.stack([s for s, _ in static], dim=1)
-        if zeros is not None:
-            zeros = torch.stack([z for _, z in static], dim=1)
     if perm is not None:
         inv = torch.argsort(perm)
         Q = Q[:, inv]
