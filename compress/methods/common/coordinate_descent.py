@@ -14,29 +14,30 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from compress.format.quant import Scheme, dequantize
 
-def refine(W: Tensor, H: Tensor, Q: Tensor, scales: Tensor, zeros: Tensor | None, group: Tensor, maxq: int,
-           sym_zero: float, passes: int) -> tuple[float, float]:
+
+def refine(W: Tensor, H: Tensor, Q: Tensor, scales: Tensor, zeros: Tensor | None, group: Tensor, scheme: Scheme,
+           passes: int) -> tuple[float, float]:
     """Up to ``passes`` sweeps over the columns of ``Q: [out, in]`` (uint8 codes, changed in place) against the
-    target ``W: [out, in]`` and ``H: [in, in]``; column ``j`` dequantizes as ``(Q[:, j] - zeros[:, group[j]]) *
-    scales[:, group[j]]`` (``zeros`` None: ``sym_zero``). Stops early after a sweep that moves nothing. Returns
-    ``f`` before and after."""
+    target ``W: [out, in]`` and ``H: [in, in]``; column ``j`` is in group ``group[j]`` of ``scales`` and ``zeros``
+    (:func:`compress.format.quant.dequantize` with that ``g_idx``). Stops early after a sweep that moves nothing.
+    Returns ``f`` before and after."""
+    maxq, sym_zero = scheme.maxq, scheme.sym_zero
     S = scales.float()
     Z = None if zeros is None else zeros.float()
-    cols = range(W.shape[1])
-
-    def dequant(j: int) -> tuple[Tensor, Tensor]:
-        s, z = S[:, group[j]], (sym_zero if Z is None else Z[:, group[j]])
-        return s, z
-
-    Wq = (Q.float() - (sym_zero if Z is None else Z[:, group])) * S[:, group]
+    Wq = dequantize(Q, scales, zeros, scheme, g_idx=group)
     G = (W - Wq) @ H
     before = _objective(W, Wq, G)
     if _native():  # the same sweeps, one row per thread at a time (runtime/kernels/cpu/cd.cpp): bit for bit these
         torch.ops.compress_cpu.cd_sweeps_(Wq, G, Q, S.contiguous(), None if Z is None else Z.contiguous(),
                                           group.long().contiguous(), H.contiguous(), maxq, float(sym_zero), passes)
         return before, _objective(W, Wq, G)
-    d = H.diagonal()
+    cols, d = range(W.shape[1]), H.diagonal()
+
+    def dequant(j: int) -> tuple[Tensor, Tensor]:
+        return S[:, group[j]], (sym_zero if Z is None else Z[:, group[j]])
+
     for _ in range(passes):
         moved = 0
         for j in cols:

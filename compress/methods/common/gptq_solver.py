@@ -113,8 +113,7 @@ def quantize_weight(W: Tensor, H: Tensor, scheme: Scheme, opts: GPTQOptions = GP
         zeros = None if zeros is None else torch.stack([z for _, z in static], dim=1)
     if target is not None:  # each column's group, in the order the columns are in now
         group = (perm if perm is not None and static is not None else torch.arange(in_f)) // g
-        _, f = coordinate_descent.refine(*target, Q, scales, zeros, group, scheme.maxq, scheme.sym_zero,
-                                         opts.cd_passes)
+        _, f = coordinate_descent.refine(*target, Q, scales, zeros, group, scheme, opts.cd_passes)
         loss = torch.tensor(f / 2)  # GPTQ's loss is half the same quadratic error
     res = _result(Q, scales, zeros, loss, scheme, static, perm)
     if latent is not None:

@@ -74,8 +74,8 @@ def test_refine_stops_when_a_sweep_moves_nothing_and_reports_both_errors():
     zeros = torch.full((4, 1), 8, dtype=torch.uint8)
     W = (Q.float() - 8) * scales.float()
     kept = Q.clone()
-    before, after = coordinate_descent.refine(W, H, Q, scales, zeros, torch.zeros(8, dtype=torch.long), 15, 8.0,
-                                              passes=10)
+    before, after = coordinate_descent.refine(W, H, Q, scales, zeros, torch.zeros(8, dtype=torch.long),
+                                              Scheme(4, 8, False), passes=10)
     assert before == pytest.approx(0, abs=1e-10) and after == pytest.approx(0, abs=1e-10)
     assert torch.equal(Q, kept)
 
@@ -96,7 +96,7 @@ def test_native_sweeps_match_the_torch_loop_bit_for_bit(monkeypatch, sym):
     res = gptq_solver.quantize_weight(w, H, scheme, GPTQOptions(damp=0.05, act_order=True, static_groups=True))
     Hd = _damped(H, 0.05)
     perm = torch.randperm(96, generator=torch.Generator().manual_seed(0))  # columns in some processing order
-    args = (res.weight.scale, res.weight.zero, perm // 32, scheme.maxq, float(scheme.sym_zero), 4)
+    args = (res.weight.scale, res.weight.zero, perm // 32, scheme, 4)
     Q_native, Q_torch = res.weight.q[:, perm].clone(), res.weight.q[:, perm].clone()
     native = coordinate_descent.refine(w[:, perm], Hd[perm][:, perm], Q_native, *args)
     monkeypatch.setattr(coordinate_descent, "_native", lambda: False)
