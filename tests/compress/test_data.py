@@ -138,6 +138,31 @@ def test_calibration_batches_too_short_names_the_numbers(tmp_path):
         data.calibration_batches(CharTokenizer(), str(txt), nsamples=2, seqlen=64)
 
 
+def test_news_splits_60_40():
+    calib, held_out = data.load_texts("news", "calib"), data.load_texts("news", "eval")
+    assert (len(calib), len(held_out)) == (180, 120) and not set(calib) & set(held_out)
+    assert calib[0].startswith("Hundreds of people have been forced to vacate their homes")
+
+
+def test_calibration_mix_draws_each_source_alike_and_shuffles(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("\n\n".join("a" * 30 for _ in range(20)))
+    b.write_text("\n\n".join("b" * 30 for _ in range(20)))
+    tok = CharTokenizer()
+    mix = data.calibration_batches(tok, f"{a}+{b}", nsamples=9, seqlen=8, seed=1)
+    from_a = (mix == ord("a")).any(dim=1)
+    assert mix.shape == (9, 8) and int(from_a.sum()) == 5  # 5 + 4: the first source takes the remainder
+    assert not from_a[:5].all(), "the windows are shuffled, not one source after the other"
+    assert torch.equal(mix, data.calibration_batches(tok, f"{a}+{b}", nsamples=9, seqlen=8, seed=1))
+    plus = tmp_path / "x+y.txt"  # a file whose name holds a + is a file, not a mix
+    plus.write_text("\n\n".join("c" * 30 for _ in range(20)))
+    assert data.calibration_batches(tok, str(plus), nsamples=2, seqlen=8).shape == (2, 8)
+    with pytest.raises(ValueError, match="distinct sources"):
+        data.calibration_batches(tok, f"{a}+{a}", nsamples=4, seqlen=8)
+    with pytest.raises(ValueError, match="nsamples=1 cannot draw a window from each of the 2 sources"):
+        data.calibration_batches(tok, f"{a}+{b}", nsamples=1, seqlen=8)
+
+
 def test_calibration_batches_with_the_real_tokenizer(smol_tokenizer):
     batch = data.calibration_batches(smol_tokenizer, "lambada", nsamples=4, seqlen=128, seed=0)
     assert batch.shape == (4, 128) and int(batch.max()) < len(smol_tokenizer)
