@@ -228,22 +228,25 @@ class StreamedBlocks(BlockStore):
 GGUF_OUTER_DTYPE = torch.bfloat16  # compress/exporters/dtypes.py's rule for a GGUF source: float32's range, half the size
 
 
+def _float_dtypes(model: nn.Module, reader: ShardReader, blocks: bool) -> dict[str, torch.dtype]:
+    """The stored dtype of every floating tensor inside (``blocks``) or outside the decoder blocks, by model name."""
+    prefix = f"{layers_prefix(model)}."
+    names = model_names(model, reader.entries)
+    return {names[k]: e.dtype for k, e in reader.entries.items()
+            if e.dtype.is_floating_point and names[k].startswith(prefix) == blocks}
+
+
 def outer_dtypes(model: nn.Module, reader: ShardReader, gguf: bool = False) -> dict[str, torch.dtype]:
     """The dtype to write every floating tensor outside the decoder blocks in, by name: the source's stored one;
     for a GGUF source (``gguf``: ``reader`` is its fp32 dequantized cache, whose float type is not the original's)
     bfloat16, never the cache's widened fp32."""
-    prefix = f"{layers_prefix(model)}."
-    names = model_names(model, reader.entries)
-    return {names[k]: GGUF_OUTER_DTYPE if gguf else e.dtype for k, e in reader.entries.items()
-            if not k.startswith(prefix) and e.dtype.is_floating_point}
+    return {n: GGUF_OUTER_DTYPE if gguf else dt for n, dt in _float_dtypes(model, reader, blocks=False).items()}
 
 
 def blocks_bfloat16(model: nn.Module, reader: ShardReader) -> bool:
     """Whether the source stores every floating tensor of the decoder blocks in bfloat16 (what guided GPTQ's gradient
     pass then holds as bfloat16: compress/memory.py)."""
-    prefix = f"{layers_prefix(model)}."
-    names = model_names(model, reader.entries)
-    floats = [e.dtype for k, e in reader.entries.items() if names[k].startswith(prefix) and e.dtype.is_floating_point]
+    floats = _float_dtypes(model, reader, blocks=True).values()
     return bool(floats) and all(d == torch.bfloat16 for d in floats)
 
 
