@@ -144,6 +144,14 @@ def _package_dir(package: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def _gensim_file(name: str) -> Path:
+    """A file of gensim's test data (the wiki dump, the Lee corpus)."""
+    path = _package_dir("gensim") / "test" / "test_data" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: reinstall gensim (pip install --no-deps gensim)")
+    return path
+
+
 def cache_dir() -> Path:
     """Where cleaned data is cached: $COMPRESS_CACHE/data, else $XDG_CACHE_HOME (or ~/.cache)/compress/data."""
     xdg = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -152,9 +160,7 @@ def cache_dir() -> Path:
 
 
 def _wiki_articles() -> list[str]:
-    dump = _package_dir("gensim") / "test" / "test_data" / WIKI_FILE
-    if not dump.is_file():
-        raise FileNotFoundError(f"{dump} is missing: reinstall gensim (pip install --no-deps gensim)")
+    dump = _gensim_file(WIKI_FILE)
     st = dump.stat()
     key = hashlib.sha1(f"{dump.name}:{st.st_size}:{int(st.st_mtime)}:{CLEANER_VERSION}".encode()).hexdigest()[:12]
     cached = cache_dir() / f"wiki-{key}.json"
@@ -181,10 +187,7 @@ def _lambada_passages() -> list[str]:
 
 
 def _news_stories() -> list[str]:
-    path = _package_dir("gensim") / "test" / "test_data" / NEWS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: reinstall gensim (pip install --no-deps gensim)")
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [line.strip() for line in _gensim_file(NEWS_FILE).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _file_documents(path: Path) -> list[str]:
