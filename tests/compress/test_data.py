@@ -144,6 +144,14 @@ def test_news_splits_60_40():
     assert calib[0].startswith("Hundreds of people have been forced to vacate their homes")
 
 
+def test_coqa_passages_split_60_40_once_each():
+    """CoQA's file holds one row per question: each passage is taken once, in file order."""
+    calib, held_out = data.load_texts("coqa", "calib"), data.load_texts("coqa", "eval")
+    assert (len(calib), len(held_out)) == (299, 200) and not set(calib) & set(held_out)
+    assert calib[0].startswith("Once upon a time, in a barn near a farm house")
+    assert len(set(calib + held_out)) == 499
+
+
 def test_calibration_mix_draws_each_source_alike_and_shuffles(tmp_path):
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("\n\n".join("a" * 30 for _ in range(20)))
