@@ -247,9 +247,7 @@ def load_texts(source: str, split: str) -> list[str]:
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
     if source == "wiki":
-        articles = _wiki_articles()
-        n_calib = int(len(articles) * CALIB_FRACTION)
-        texts = articles[:n_calib] if split == "calib" else articles[n_calib:]
+        texts = _split(_wiki_articles(), split, source)
     elif source == "news":
         texts = _split(_news_stories(), split, source)
     elif source == "coqa":
