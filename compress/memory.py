@@ -146,6 +146,7 @@ def outer_bytes(model: nn.Module, cfg, streamed: bool) -> int:
     and the tokenizer of the vocabulary."""
     from compress.format.shards import SLAB_BYTES
     from compress.methods.embed_head import CHUNK_VALUES, head_scheme, plan_outer
+    from compress.methods.head_gptq import HEAD_SLAB_ROWS
 
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     vocab, hidden, tied = text.vocab_size, text.hidden_size, bool(getattr(text, "tie_word_embeddings", False))
@@ -154,8 +155,9 @@ def outer_bytes(model: nn.Module, cfg, streamed: bool) -> int:
     schemes = [s for s in (plan.embed, plan.head) if s is not None]
     codes = sum(vocab * hidden * s.bits // 8 + vocab * s.n_groups(hidden) * 3 for s in schemes)
     work = CHUNK_VALUES * 48 if schemes else 0  # fp32 values, grouped copies, int64 codes while packing
-    if head_scheme(plan, cfg) is not None:  # compress/methods/head_gptq.py: GPTQ's fp32 copy of the head, its
-        work += 6 * 4 * vocab * hidden  # uint8 codes, both dequantized candidates and the held-out error's products
+    if head_scheme(plan, cfg) is not None:  # compress/methods/head_gptq.py: streamed, the head read whole (at most
+        # fp32); its uint8 codes, as slabs and joined; one slab's fp32 copies, candidates and held-out products
+        work += ((4 if streamed else 0) + 2) * vocab * hidden + 8 * 4 * HEAD_SLAB_ROWS * hidden
     reads = 5 * SLAB_BYTES if streamed else 2 * tables * 2
     return reads + codes + work + vocab * TOKENIZER_BYTES_PER_TOKEN
 

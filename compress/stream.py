@@ -186,9 +186,10 @@ class StreamedBlocks(BlockStore):
         self.final = outputs
 
     def head_weight(self) -> Tensor:
-        """The head's fp32 weight (the tied table's on a tied model), read whole: GPTQ rounds it at once."""
+        """The head's weight (the tied table's on a tied model) as stored, read whole: GPTQ rounds it a slab of rows
+        at a time, each in fp32 (compress/methods/head_gptq.py)."""
         name = self.embed if self.head is None else self.head
-        return self.reader.get(self.source.get(name, name)).float()
+        return self.reader.get(self.source.get(name, name))
 
     def _quantized_table(self, name: str, src: str, scheme, codes: QuantizedWeight | None = None
                          ) -> dict[str, Tensor]:

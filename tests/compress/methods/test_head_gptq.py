@@ -71,6 +71,27 @@ def test_the_held_out_windows_pick_rtn_where_it_is_better():
     assert same.method == "gptq"
 
 
+@pytest.mark.parametrize("choice", ["int8", "int4"])
+def test_row_slabs_round_as_one_pass(choice):
+    """GPTQ rounds each row against the same Hessian on its own: slabs of rows (a ragged last one included) give one
+    pass's codes, and the held-out errors summed over the slabs make the same choice with the same figures."""
+    scheme = OUTER_SCHEMES[choice]
+    w = torch.randn(700, 64, generator=torch.Generator().manual_seed(6))
+    fit, held = Hessian.zeros(64), Hessian.zeros(64)
+    fit.add(_correlated(2000, 64, 7))
+    held.add(_correlated(500, 64, 8))
+    whole = quantize_head(w, HeadHessians(fit.H, held.H), scheme, slab=10_000)
+    slabs = quantize_head(w, HeadHessians(fit.H, held.H), scheme, slab=256)
+    assert torch.equal(slabs.weight.q, whole.weight.q) and torch.equal(slabs.weight.scale, whole.weight.scale)
+    assert (slabs.weight.zero is None) == (whole.weight.zero is None)
+    if whole.weight.zero is not None:
+        assert torch.equal(slabs.weight.zero, whole.weight.zero)
+    assert slabs.method == whole.method
+    assert slabs.choice.error == pytest.approx(whole.choice.error, rel=1e-5)
+    assert slabs.choice.rtn_error == pytest.approx(whole.choice.rtn_error, rel=1e-5)
+    assert slabs.loss == pytest.approx(whole.loss, rel=1e-5)
+
+
 def test_config():
     assert QuantizeConfig(head="int4", head_method="gptq").needs_calibration
     assert not QuantizeConfig(head_method="gptq").calibrated_head  # no quantized head: nothing to calibrate
