@@ -95,7 +95,9 @@ def table_of(qw: QuantizedWeight, embed_scale: float | None = None) -> QuantEmbe
     assert qw.g_idx is None, "a table's groups are consecutive columns"
     rows, cols = qw.q.shape
     table = QuantEmbedding(rows, cols, qw.scheme, embed_scale=embed_scale)
-    table.qweight.copy_(pack(qw.q, qw.scheme.bits))
+    step = max(1, CHUNK_VALUES // cols)
+    for start in range(0, rows, step):  # as quantize_table: packing's int64 temporaries a chunk's, not the table's
+        table.qweight[start:start + step] = pack(qw.q[start:start + step], qw.scheme.bits)
     table.scales.copy_(qw.scale)
     if qw.zero is not None:
         table.qzeros.copy_(qw.zero)
